@@ -1,0 +1,123 @@
+"""Build the course's notebooks: solutions are the single source, student versions are made.
+
+``python -m course build`` re-executes every notebook in ``solutions/`` (storing the
+outputs that nbval compares) and then writes ``notebooks/`` from them:
+
+* a line ``name = value  # SOLUTION`` becomes ``name = ...  # ✏️ your answer``;
+* the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` become one line
+  ``...  # ✏️ your code here`` at the same indentation (a function body of ``...``
+  returns None, which the checks report as "not attempted yet");
+* cells tagged ``solution`` are dropped (worked answers, discussion);
+* outputs and execution counts are cleared, and the Colab badge points at the
+  student version.
+
+Every notebook begins with the same two cells, written here: the "Open in Colab" badge
+and a cell that installs the course when (and only when) it runs on Colab.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "solutions"
+STUDENT = ROOT / "notebooks"
+REPO = "ddp-course/ddp-course"  # GitHub owner/name, for the Colab links
+
+_LINE = re.compile(r"^(?P<lhs>\s*[^=#]+?=)\s*(?P<rhs>.*?)\s*#\s*SOLUTION\s*$")
+_BEGIN = re.compile(r"^(?P<indent>\s*)#\s*BEGIN SOLUTION\s*$")
+_END = re.compile(r"^\s*#\s*END SOLUTION\s*$")
+
+COLAB_INSTALL = f"""\
+# On Colab, install the course package (Colab already has torch and torchvision).
+# Anywhere else this cell does nothing: install the course as the README says.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install --quiet "ddp-course @ git+https://github.com/{REPO}"
+"""
+
+
+def colab_badge(folder: str, name: str) -> str:
+    url = f"https://colab.research.google.com/github/{REPO}/blob/main/{folder}/{name}"
+    return f'<a href="{url}" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>'
+
+
+def student_source(source: str) -> str:
+    """Replace the solution parts of one code cell's source by stubs."""
+    out, inside = [], False
+    for line in source.splitlines():
+        begin = _BEGIN.match(line)
+        if begin:
+            if inside:
+                raise ValueError(f"nested '# BEGIN SOLUTION' in:\n{source}")
+            inside = True
+            out.append(f"{begin['indent']}...  # ✏️ your code here")
+        elif _END.match(line):
+            if not inside:
+                raise ValueError(f"'# END SOLUTION' without BEGIN in:\n{source}")
+            inside = False
+        elif not inside:
+            single = _LINE.match(line)
+            out.append(f"{single['lhs']} ...  # ✏️ your answer" if single else line)
+    if inside:
+        raise ValueError(f"'# BEGIN SOLUTION' without END in:\n{source}")
+    return "\n".join(out)
+
+
+def set_header(nb, folder: str, name: str):
+    """Make the first two cells the badge and the Colab install cell."""
+    badge = nbformat.v4.new_markdown_cell(colab_badge(folder, name), id="colab-badge")
+    install = nbformat.v4.new_code_cell(COLAB_INSTALL, id="colab-install")
+    has_header = len(nb.cells) >= 2 and nb.cells[0].get("id") == "colab-badge"
+    nb.cells[: 2 if has_header else 0] = [badge, install]
+    return nb
+
+
+def make_student(solution_nb, name: str):
+    nb = nbformat.from_dict(solution_nb)  # a deep copy
+    nb.cells = [c for c in nb.cells if "solution" not in c.get("metadata", {}).get("tags", [])]
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = student_source(cell.source)
+            cell.outputs = []
+            cell.execution_count = None
+    return set_header(nb, "notebooks", name)
+
+
+def execute(nb, cwd: Path, timeout: int = 600):
+    """Run every cell in a fresh kernel and store the outputs (no timing metadata)."""
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    return nb
+
+
+def solution_paths(names=()):
+    paths = sorted(SOLUTIONS.glob("[0-9][0-9]_*.ipynb"))
+    if names:
+        paths = [p for p in paths if any(n in p.name for n in names)]
+    return paths
+
+
+def write(nb, path: Path):
+    nbformat.validate(nb)
+    path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+
+
+def build(names=(), run: bool = True):
+    """Execute the solutions (if ``run``) and regenerate the student notebooks."""
+    STUDENT.mkdir(exist_ok=True)
+    for path in solution_paths(names):
+        nb = set_header(nbformat.read(path, as_version=4), "solutions", path.name)
+        if run:
+            print(f"executing {path.relative_to(ROOT)} ...", flush=True)
+            execute(nb, path.parent)
+        write(nb, path)
+        write(make_student(nb, path.name), STUDENT / path.name)
+        print(f"wrote {(STUDENT / path.name).relative_to(ROOT)}")

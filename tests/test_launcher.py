@@ -1,0 +1,335 @@
+"""course.launch: results, output order, failures, hangs, cleanup, bad arguments."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import course
+from course import WorkerError, WorkerTimeoutError, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children():
+    """Live descendants of this process, except multiprocessing's resource tracker
+    (spawn starts one per parent process; it ends with the parent)."""
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_processes_left_behind():
+    """Every test: no worker (or anything a worker started) outlives the launch."""
+    yield
+    assert _children() == [], "processes left behind"
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pids, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+# ---------------------------------------------------------------- results and state
+
+
+def test_results_come_back_in_rank_order_even_when_ranks_finish_in_reverse():
+    def job(rank, world_size, scale):
+        time.sleep(0.05 * (world_size - rank))  # rank 3 finishes first
+        return {"rank": rank, "value": scale * rank}
+
+    assert launch(job, 4, 10, show=None) == [{"rank": r, "value": 10 * r} for r in range(4)]
+
+
+def test_each_rank_has_an_initialised_gloo_process_group_and_launcher_env():
+    def job(rank, world_size):
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return (
+            dist.get_rank(),
+            dist.get_world_size(),
+            dist.get_backend(),
+            t.item(),
+            os.environ["RANK"],
+            os.environ["LOCAL_RANK"],
+            os.environ["WORLD_SIZE"],
+            torch.get_num_threads(),
+        )
+
+    assert launch(job, 3, show=None) == [(r, 3, "gloo", 6.0, str(r), str(r), "3", 1) for r in range(3)]
+
+
+def test_closures_and_tensor_arguments_work():
+    offset = torch.arange(4.0)
+
+    def job(rank, world_size, weights):
+        return (weights * rank + offset).sum().item()
+
+    assert launch(job, 2, torch.ones(4), show=None) == [6.0, 10.0]
+
+
+def test_process_group_is_destroyed_and_the_same_launch_can_run_again():
+    def job(rank, world_size):
+        dist.barrier()
+        return dist.is_initialized()
+
+    for _ in range(3):
+        assert launch(job, 2, show=None) == [True, True]
+    assert not dist.is_initialized()  # nothing leaked into the parent
+
+
+def test_a_world_of_one_works():
+    assert launch(lambda rank, ws: (rank, ws), 1, show=None) == [(0, 1)]
+
+
+# ---------------------------------------------------------------- output
+
+
+def _chatty(rank, world_size):
+    time.sleep(0.05 * (world_size - rank))  # reverse order in time
+    print(f"hello from {rank}")
+    print(f"warning from {rank}", file=sys.stderr)
+    os.write(1, f"raw fd write from {rank}\n".encode())  # what C++ code does
+    print("last line", rank)
+    return rank
+
+
+def test_output_of_all_ranks_is_replayed_grouped_in_rank_order(capsys):
+    launch(_chatty, 3)
+    expected = "".join(
+        f"[rank {r}] hello from {r}\n[rank {r}] warning from {r}\n"
+        f"[rank {r}] raw fd write from {r}\n[rank {r}] last line {r}\n"
+        for r in range(3)
+    )
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("show, ranks", [(0, [0]), ([2, 1], [1, 2]), (None, [])])
+def test_show_selects_whose_output_is_replayed(capsys, show, ranks):
+    launch(_chatty, 3, show=show)
+    out = capsys.readouterr().out
+    assert [line.split("]")[0] for line in out.splitlines()] == [f"[rank {r}" for r in ranks for _ in range(4)]
+
+
+def test_output_printed_before_a_failure_is_still_shown(capsys):
+    def job(rank, world_size):
+        print("about to fail" if rank == 1 else "fine")
+        if rank == 1:
+            raise RuntimeError("nope")
+        return rank
+
+    with pytest.raises(WorkerError):
+        launch(job, 2)
+    assert "[rank 1] about to fail" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly():
+    def job(rank, world_size):
+        if rank == 2:
+            raise ValueError("bad batch on rank 2")
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the others wait here for rank 2
+        time.sleep(30)  # and would then sleep: they must be stopped, not awaited
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(job, 4, timeout=60)
+    assert time.monotonic() - start < 5
+    err = info.value
+    assert err.rank == 2
+    assert "rank 2 of 4 failed: ValueError: bad batch on rank 2" in str(err)
+    assert 'raise ValueError("bad batch on rank 2")' in err.traceback
+    assert not isinstance(err, WorkerTimeoutError)
+
+
+def test_a_rank_that_dies_without_an_exception_is_reported_with_its_signal():
+    def job(rank, world_size):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    with pytest.raises(WorkerError, match=r"rank 1 of 2 failed: process was killed by signal SIGKILL"):
+        launch(job, 2, timeout=60)
+
+
+def test_a_rank_that_calls_sys_exit_is_a_failure_too():
+    def job(rank, world_size):
+        sys.exit(3)
+
+    with pytest.raises(WorkerError, match="SystemExit: 3"):
+        launch(job, 1)
+
+
+def test_an_unpicklable_result_gives_a_clear_error():
+    def job(rank, world_size):
+        return lambda: None  # functions made in the worker cannot be sent back
+
+    with pytest.raises(WorkerError, match="cannot be sent back to the notebook"):
+        launch(job, 2)
+
+
+def test_a_missing_collective_times_out_naming_the_stuck_ranks_and_where_they_are():
+    def job(rank, world_size):
+        if rank != 1:  # rank 1 "forgets" the all_reduce
+            dist.all_reduce(torch.ones(1))
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        launch(job, 3, timeout=2)
+    elapsed = time.monotonic() - start
+    assert 2 <= elapsed < 6
+    err = info.value
+    assert err.ranks == [0, 2]
+    assert "rank(s) 0, 2 did not finish within timeout=2 s" in str(err)
+    for r in (0, 2):
+        assert "in job" in err.stacks[r] and err.stacks[r].rstrip().endswith("in all_reduce")
+
+
+def test_workers_and_their_children_are_killed_on_timeout(tmp_path):
+    def job(rank, world_size):
+        child = subprocess.Popen(["sleep", "60"])
+        Path(tmp_path, f"pids{rank}").write_text(f"{os.getpid()} {child.pid}")
+        time.sleep(60)
+
+    with pytest.raises(WorkerTimeoutError):
+        launch(job, 2, timeout=1.5)
+    pids = [int(p) for r in range(2) for p in Path(tmp_path, f"pids{r}").read_text().split()]
+    assert _wait_gone(pids, 1) == []
+
+
+def test_two_notebooks_launching_at_the_same_time_never_collide():
+    script = textwrap.dedent(
+        """
+        import course, torch, torch.distributed as dist
+        def job(rank, world_size):
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t)
+            return t.item()
+        for _ in range(15):
+            assert course.launch(job, 4, show=None, timeout=30) == [6.0] * 4
+        print("ok")
+        """
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == ["ok\n", "ok\n"]
+
+
+def _run_script(body, tmp_path, **kwargs):
+    path = tmp_path / "main.py"
+    path.write_text(textwrap.dedent(body))
+    return subprocess.Popen([sys.executable, str(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_functions_defined_in_main_work_with_fork_and_with_spawn(tmp_path):
+    # A notebook's functions live in __main__: exactly what mp.spawn cannot pickle.
+    proc = _run_script(
+        """
+        import course, torch.distributed as dist
+        BASE = 100
+        def job(rank, world_size):
+            return BASE + rank + dist.get_world_size()
+        if __name__ == "__main__":  # a script needs this guard for spawn; a notebook does not
+            print(course.launch(job, 2, start_method="fork", show=None))
+            print(course.launch(job, 2, start_method="spawn", show=None))
+        """,
+        tmp_path,
+    )
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert out.splitlines()[-2:] == ["[102, 103]", "[102, 103]"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_workers_die_with_the_kernel(tmp_path, how):
+    """Kernel killed (SIGKILL) or interrupted (SIGINT: the stop button): no orphans."""
+    proc = _run_script(
+        f"""
+        import os, time, course
+        from pathlib import Path
+        def job(rank, world_size):
+            Path({str(tmp_path)!r}, f"pid{{rank}}").write_text(str(os.getpid()))
+            time.sleep(60)
+        course.launch(job, 2, timeout=60)
+        """,
+        tmp_path,
+    )
+    pid_files = [tmp_path / f"pid{r}" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    pids = [int(f.read_text()) for f in pid_files]
+    proc.send_signal(how)
+    proc.communicate(timeout=30)
+    assert _wait_gone(pids) == []
+
+
+def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(tmp_path):
+    with pytest.raises(ValueError, match="start_method='spawn'"):
+        launch(lambda r, w: None, 1, threads=2, start_method="fork")
+    assert launch(lambda r, w: torch.get_num_threads(), 2, threads=2, start_method="spawn", show=None) == [2, 2]
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        ((None, 2), {}, TypeError, "needs a function"),
+        ((lambda r, w: r, 0), {}, ValueError, "world_size must be a whole number >= 1"),
+        ((lambda r, w: r, 2.0), {}, ValueError, "world_size must be a whole number"),
+        ((lambda r, w: r, True), {}, ValueError, "world_size must be a whole number"),
+        ((lambda r, w: r, 2), {"backend": "mpi"}, ValueError, "Unknown backend 'mpi'"),
+        ((lambda r, w: r, 2), {"timeout": 0}, ValueError, "timeout must be a positive number"),
+        ((lambda r, w: r, 2), {"show": 5}, ValueError, "show must be"),
+        ((lambda r, w: r, 2), {"start_method": "forkserver"}, ValueError, "start_method must be"),
+        ((lambda r, w: r, 2), {"threads": 0}, ValueError, "threads must be"),
+        ((lambda r, w: r, 2), {"env": {"A": 1}}, TypeError, "env must be a dict"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        launch(*args, **kwargs)
+    assert _children() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_a_gpu_says_to_use_gloo():
+    with pytest.raises(ValueError, match="use backend='gloo' on CPU"):
+        launch(lambda r, w: r, 2, backend="nccl")
+
+
+def test_env_option_reaches_the_ranks():
+    assert launch(lambda r, w: os.environ["COURSE_TEST"], 2, env={"COURSE_TEST": "yes"}, show=None) == ["yes", "yes"]
+
+
+def test_public_names():
+    assert course.launch is launch and issubclass(WorkerTimeoutError, WorkerError)

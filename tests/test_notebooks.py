@@ -1,0 +1,95 @@
+"""The notebooks: one source (solutions/), generated student versions, stub handling."""
+
+import re
+
+import nbformat
+import pytest
+
+from course import notebooks
+from course.notebooks import STUDENT, SOLUTIONS, make_student, set_header, student_source
+
+SOLUTION_PATHS = notebooks.solution_paths()
+NAMES = [p.name for p in SOLUTION_PATHS]
+
+
+def test_the_course_has_its_notebooks():
+    assert NAMES[:2] == ["01_single_device.ipynb", "02_manual_scatter.ipynb"]
+    assert sorted(p.name for p in STUDENT.glob("*.ipynb")) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_student_notebook_is_exactly_what_the_generator_makes(name):
+    solution = nbformat.read(SOLUTIONS / name, as_version=4)
+    expected = nbformat.writes(make_student(solution, name)) + "\n"
+    committed = (STUDENT / name).read_text(encoding="utf-8")
+    assert committed == expected, f"notebooks/{name} is stale: run `python -m course build --no-execute`"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_notebook_starts_with_badge_and_colab_install(name):
+    nb = nbformat.read(SOLUTIONS / name, as_version=4)
+    fresh = set_header(nbformat.from_dict(nb), "solutions", name)
+    for cell, expected in zip(nb.cells[:2], fresh.cells[:2]):
+        assert (cell.cell_type, cell.id, cell.source) == (expected.cell_type, expected.id, expected.source)
+    assert f"blob/main/solutions/{name}" in nb.cells[0].source
+    student = nbformat.read(STUDENT / name, as_version=4)
+    assert f"blob/main/notebooks/{name}" in student.cells[0].source
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solutions_have_stored_outputs_and_every_check_passed(name):
+    nb = nbformat.read(SOLUTIONS / name, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"][1:]  # all but the Colab cell
+    assert all(c.execution_count for c in code), "run `python -m course build` to store outputs"
+    checks = [c for c in code if re.search(r"^check\.\w+\(", c.source, re.M)]
+    assert len(checks) >= 2, "each notebook has at least two exercises with checks"
+    for cell in checks:
+        shown = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+        assert shown.startswith("✅"), f"stored check output is not a pass: {shown!r}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_student_notebooks_contain_no_solutions_and_no_outputs(name):
+    solution = nbformat.read(SOLUTIONS / name, as_version=4)
+    student = nbformat.read(STUDENT / name, as_version=4)
+    text = "\n".join(c.source for c in student.cells)
+    assert "SOLUTION" not in text
+    assert text.count("✏️ your") == sum(
+        c.source.count("# BEGIN SOLUTION") + len(re.findall(r"#\s*SOLUTION\s*$", c.source, re.M))
+        for c in solution.cells
+    )
+    assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
+
+
+def test_stub_generation_rules():
+    source = "\n".join(
+        [
+            "def f(x):",
+            "    y = 1",
+            "    # BEGIN SOLUTION",
+            "    return x + y",
+            "    # END SOLUTION",
+            "answer = [1, 2]  # SOLUTION",
+            "kept = 3",
+        ]
+    )
+    assert student_source(source).splitlines() == [
+        "def f(x):",
+        "    y = 1",
+        "    ...  # ✏️ your code here",
+        "answer = ...  # ✏️ your answer",
+        "kept = 3",
+    ]
+    for broken in ["# BEGIN SOLUTION\nx = 1", "x = 1\n# END SOLUTION", "# BEGIN SOLUTION\n# BEGIN SOLUTION"]:
+        with pytest.raises(ValueError):
+            student_source(broken)
+
+
+def test_cells_tagged_solution_are_dropped():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("keep"),
+        nbformat.v4.new_markdown_cell("worked answer", metadata={"tags": ["solution"]}),
+    ]
+    student = make_student(nb, "x.ipynb")
+    assert [c.source for c in student.cells[2:]] == ["keep"]
