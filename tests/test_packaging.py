@@ -1,0 +1,75 @@
+"""README, CI script, pyproject.toml, environment.yml and constraints.txt agree."""
+
+import re
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(requirement):
+    return re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower()
+
+
+def _pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _environment_pip():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    return [r for r in pip if not r.startswith("-e")]
+
+
+def _constraints():
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def _version(text):
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def test_environment_yml_describes_the_same_packages_as_pyproject():
+    project = _pyproject()
+    declared = project["dependencies"] + project["optional-dependencies"]["dev"]
+    env = _environment_pip()
+    assert sorted(map(_name, env)) == sorted(map(_name, declared))
+    pins = _constraints()
+    for requirement in env:
+        name = _name(requirement)
+        if name in pins:  # the tested pair: pinned exactly, as in constraints.txt
+            assert requirement == f"{name}=={pins[name]}"
+        else:  # everything else: the very same specifier as pyproject
+            assert requirement in declared, requirement
+
+
+def test_pinned_torch_pair_satisfies_the_package_and_is_not_pinned_in_it():
+    declared = {_name(r): r for r in _pyproject()["dependencies"]}
+    for name, version in _constraints().items():
+        lower = declared[name].split(">=")[1]
+        assert _version(version) >= _version(lower)
+        assert "==" not in declared[name]  # Colab brings its own torch
+
+
+def _readme_commands():
+    readme = (ROOT / "README.md").read_text()
+    found = {}
+    for label in ("Install", "Run the course:", "Test"):
+        match = re.search(rf"\*\*{re.escape(label)}.*?```bash\n(.+?)\n```", readme, re.S)
+        assert match, f"README has no '{label}' command"
+        assert "\n" not in match.group(1), f"README's {label} is not one command"
+        found[label] = match.group(1)
+    return found
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = _readme_commands()
+    assert commands["Install"] in ci
+    assert commands["Test"] in ci
+    assert ci.index(commands["Install"]) < ci.index(commands["Test"])
