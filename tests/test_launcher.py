@@ -331,5 +331,10 @@ def test_env_option_reaches_the_ranks():
     assert launch(lambda r, w: os.environ["COURSE_TEST"], 2, env={"COURSE_TEST": "yes"}, show=None) == ["yes", "yes"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="loopback is 'lo' on Linux")
+def test_gloo_is_pinned_to_loopback():
+    assert launch(lambda r, w: os.environ.get("GLOO_SOCKET_IFNAME"), 2, show=None) == ["lo", "lo"]
+
+
 def test_public_names():
     assert course.launch is launch and issubclass(WorkerTimeoutError, WorkerError)

@@ -1,12 +1,12 @@
 """README, CI script, pyproject.toml, environment.yml and constraints.txt agree."""
 
 import re
-import pytest
-
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 from pathlib import Path
 
+import pytest
 import yaml
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,132 @@
+"""Launch overhead: course.launch vs torch.multiprocessing.spawn vs torchrun.
+
+The job is trivial (init the process group, one all_reduce, return), so the time is
+the cost of starting ranks and their rendezvous. Wall time from the call to the
+results; medians over repeated runs.
+
+    python benchmarks/launch_overhead.py [--repeats 10] [--quick]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import course  # noqa: E402
+
+SPAWN_SCRIPT = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def worker(rank, world_size, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    if __name__ == "__main__":
+        world_size, repeats = int(sys.argv[1]), int(sys.argv[2])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mp.spawn(worker, args=(world_size, free_port()), nprocs=world_size)
+            times.append(time.perf_counter() - start)
+        print(json.dumps(times))
+    """
+)
+
+TORCHRUN_JOB = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    """
+)
+
+
+def trivial(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def bench_course(world_size, repeats):
+    return common.timed(lambda: course.launch(trivial, world_size, show=None), repeats)
+
+
+def bench_spawn(world_size, repeats, workdir):
+    script = Path(workdir, "spawn_job.py")
+    script.write_text(SPAWN_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(world_size), str(repeats + 1)],  # +1: a warm-up
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    import json
+
+    return json.loads(out.stdout.strip().splitlines()[-1])[1:]  # drop the warm-up
+
+
+def bench_torchrun(world_size, repeats, workdir):
+    script = Path(workdir, "torchrun_job.py")
+    script.write_text(TORCHRUN_JOB)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=True, env=env)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="one repeat, 2 ranks (smoke test)")
+    args = parser.parse_args(argv)
+    repeats, sizes = (1, [2]) if args.quick else (args.repeats, [2, 4])
+    torch.set_num_threads(common.cores())
+    (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # a multi-threaded op, as a notebook would have run
+
+    common.header("Launch overhead: call to results, trivial job (init + one all_reduce)")
+    rows, medians = [], {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for n in sizes:
+            for name, fn in [
+                ("course.launch (fork)", lambda: bench_course(n, repeats)),
+                ("mp.spawn", lambda: bench_spawn(n, max(1, repeats // 3), workdir)),
+                ("torchrun (whole command)", lambda: bench_torchrun(n, max(1, repeats // 3), workdir)),
+            ]:
+                times = fn()
+                medians[name, n] = common.median(times)
+                rows.append([name, n, len(times), f"{common.median(times):.3f}", f"{min(times):.3f}"])
+    common.table(["method", "ranks", "runs", "median s", "min s"], rows)
+
+    n = max(sizes)
+    ours, spawn = medians["course.launch (fork)", n], medians["mp.spawn", n]
+    print(f"\ncourse.launch with {n} ranks: {ours:.3f} s (target <= 0.25 s: {'met' if ours <= 0.25 else 'MISSED'})")
+    print(f"speed-up over mp.spawn: {spawn / ours:.0f}x (target >= 10x: {'met' if spawn / ours >= 10 else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()
