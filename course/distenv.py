@@ -1,0 +1,144 @@
+"""Where am I in the job? Read rank, world size and rendezvous from whichever launcher started us.
+
+Every launcher tells a process its place through environment variables, each with its own names:
+
+=================  ===================  ======================  ==========================  =====================
+launcher           rank                 world size              local rank                  rendezvous address
+=================  ===================  ======================  ==========================  =====================
+torchrun           RANK                 WORLD_SIZE              LOCAL_RANK                  MASTER_ADDR/PORT
+Slurm ``srun``     SLURM_PROCID         SLURM_NTASKS            SLURM_LOCALID               first host of SLURM_JOB_NODELIST
+Open MPI           OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE    OMPI_COMM_WORLD_LOCAL_RANK  MASTER_ADDR, or 127.0.0.1 on one node
+MPICH (Hydra)      PMI_RANK             PMI_SIZE                MPI_LOCALRANKID             MASTER_ADDR, or 127.0.0.1 on one node
+=================  ===================  ======================  ==========================  =====================
+
+:func:`discover` turns any of them into one :class:`DistEnv`. ``course.launch`` needs none of
+this: it initialises the process group itself, and :func:`discover` reports that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29500
+
+
+class NoLauncherError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    launcher: str  # "course.launch", "torchrun", "slurm", "openmpi", "mpich"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size
+
+    def export(self, environ=os.environ):
+        """Set torchrun's variables, so that ``init_process_group("env://")`` works."""
+        environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+
+
+def discover(environ=None) -> DistEnv:
+    """Read the launcher's environment (``os.environ`` by default). The innermost launcher wins:
+    torchrun inside an ``srun`` allocation is torchrun."""
+    env = os.environ if environ is None else environ
+    import torch.distributed as dist
+
+    if environ is None and dist.is_available() and dist.is_initialized():
+        return DistEnv(
+            "course.launch", dist.get_rank(), dist.get_world_size(),
+            int(env.get("LOCAL_RANK", dist.get_rank())), int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+            "", 0,
+        )
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _from(env, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _from(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+    if "PMI_RANK" in env:
+        return _from(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _from_slurm(env)
+    raise NoLauncherError(
+        "No launcher environment found. Start this script with torchrun "
+        "(torchrun --nproc-per-node=2 script.py), srun, mpirun, or call it through course.launch."
+    )
+
+
+def _int(env, name, default=None):
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise NoLauncherError(f"{name} is not set, but the launcher's other variables are.")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise NoLauncherError(f"{name}={value!r} is not a whole number.") from None
+
+
+def _from(env, launcher, rank, size, local_rank, local_size):
+    world_size = _int(env, size)
+    local_world_size = _int(env, local_size, default=world_size)
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        if local_world_size != world_size:
+            raise NoLauncherError(f"{launcher} on several nodes: set MASTER_ADDR to rank 0's host name.")
+        addr = "127.0.0.1"
+    return _checked(DistEnv(launcher, _int(env, rank), world_size, _int(env, local_rank, default=0),
+                            local_world_size, addr, _int(env, "MASTER_PORT", default=DEFAULT_PORT)))
+
+
+def _from_slurm(env):
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise NoLauncherError("SLURM_JOB_NODELIST is not set: run under srun or sbatch.")
+    world_size = _int(env, "SLURM_NTASKS")
+    tasks_per_node = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(world_size)
+    job_id = _int(env, "SLURM_JOB_ID", default=0)
+    return _checked(DistEnv(
+        "slurm", _int(env, "SLURM_PROCID"), world_size, _int(env, "SLURM_LOCALID", default=0),
+        int(re.match(r"\d+", tasks_per_node).group()),  # "4(x2)" = 4 tasks on each of 2 nodes
+        env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+        _int(env, "MASTER_PORT", default=15000 + job_id % 20000),  # same on every node of the job
+    ))
+
+
+def _checked(d: DistEnv) -> DistEnv:
+    if not (0 <= d.rank < d.world_size and 0 <= d.local_rank < d.local_world_size <= d.world_size):
+        raise NoLauncherError(f"inconsistent {d.launcher} environment: {d}")
+    return d
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list: ``"node[01-03,7],gpu5"`` ->
+    ``["node01", "node02", "node03", "node7", "gpu5"]`` (zero padding kept)."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    if not hosts:
+        raise NoLauncherError(f"cannot read the Slurm node list {nodelist!r}")
+    return hosts
