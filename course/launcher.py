@@ -19,6 +19,8 @@ How it works, and why (each point is a trap we measured; see the course README):
   torch is already imported. On macOS and Windows, where fork is unsafe or missing, we
   ``spawn`` and send ``fn`` by value with ``cloudpickle`` (slower: each rank imports
   torch). Pass ``start_method=`` to choose yourself.
+* **Imports.** Forked ranks inherit the notebook's imported modules; ``launch`` imports
+  the one DDP loads lazily (``torch._dynamo``, seconds) before forking, once per kernel.
 * **Threads.** OpenMP is not fork-safe: once the kernel has run a multi-threaded torch
   op, a forked child that uses more than one intra-op thread hangs forever. So forked
   ranks run ``torch.set_num_threads(1)`` first thing (which also keeps N ranks from
@@ -143,6 +145,8 @@ def launch(
         )
     threads = threads or (1 if start_method == "fork" else default_threads(world_size))
     ctx = multiprocessing.get_context(start_method)
+    if start_method == "fork":
+        _import_lazy_modules()
     payload = (fn, args) if start_method == "fork" else _pickle_by_value(fn, args)
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
@@ -231,6 +235,13 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
     return sorted(set(ranks))
 
 
+def _import_lazy_modules():
+    """DDP imports ``torch._dynamo`` the first time it wraps a model: seconds of work. Done
+    in forked ranks, every rank of every launch would pay it again; done once here, in the
+    notebook, all forked ranks inherit it."""
+    import torch._dynamo  # noqa: F401
+
+
 def _pickle_by_value(fn, args):
     """For spawn: send ``fn`` (even one defined in a notebook) as bytes, by value."""
     try:
@@ -281,10 +292,13 @@ def _supervise(procs, readers, release, timeout, workdir):
                     errors[rank] = _death_report(procs[rank])
 
     if errors:
-        time.sleep(0.05)  # let ranks failing at the same moment report, to find the first
+        time.sleep(0.1)  # let ranks failing at the same moment report, to find the cause
         for reader, rank in list(open_readers.items()):
             while reader in open_readers and reader.poll():
                 read(reader, rank)
+        for rank, proc in enumerate(procs):
+            if rank not in errors and rank not in results and proc.exitcode is not None:
+                errors[rank] = _death_report(proc)
         _raise_worker_error(errors, world_size)
 
     release.set()  # every rank is done: let them tear down the process group and exit
@@ -293,21 +307,21 @@ def _supervise(procs, readers, release, timeout, workdir):
 
 
 def _death_report(proc):
+    noticed = time.monotonic()
     proc.join(1)
     code = proc.exitcode
     if code is not None and code < 0:
         how = f"was killed by signal {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    return {
-        "time": time.monotonic(),
-        "summary": f"process {how} without a Python exception",
-        "traceback": "",
-    }
+    return {"time": noticed, "summary": f"process {how} without a Python exception", "traceback": "", "consequence": False}
 
 
 def _raise_worker_error(errors, world_size):
-    first = min(errors, key=lambda r: errors[r]["time"])
+    # The cause is the earliest failure that is not just a peer noticing another rank's
+    # death ("Connection closed by peer"); a killed rank cannot say when it died.
+    causes = [r for r in errors if not errors[r]["consequence"]] or list(errors)
+    first = min(causes, key=lambda r: errors[r]["time"])
     info = errors[first]
     others = [r for r in sorted(errors) if r != first]
     message = f"rank {first} of {world_size} failed: {info['summary']}"
@@ -514,11 +528,16 @@ def _pickle_result(result, rank):
         ) from e
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _error_report(e):
+    summary = f"{type(e).__name__}: {e}".splitlines()[0]
     return {
         "time": time.monotonic(),
-        "summary": f"{type(e).__name__}: {e}".splitlines()[0],
+        "summary": summary,
         "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        "consequence": any(text in summary for text in _PEER_GONE),  # another rank died first
     }
 
 

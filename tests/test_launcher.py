@@ -166,14 +166,20 @@ def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly():
     assert not isinstance(err, WorkerTimeoutError)
 
 
-def test_a_rank_that_dies_without_an_exception_is_reported_with_its_signal():
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_rank_killed_during_a_collective_is_named_not_the_peers_that_noticed(attempt):
     def job(rank, world_size):
         if rank == 1:
+            time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))  # ranks 0 and 2 wait here, then lose their peer
         time.sleep(30)
 
-    with pytest.raises(WorkerError, match=r"rank 1 of 2 failed: process was killed by signal SIGKILL"):
-        launch(job, 2, timeout=60)
+    with pytest.raises(WorkerError) as info:
+        launch(job, 3, timeout=60)
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 of 3 failed: process was killed by signal SIGKILL")
+    assert info.value.failed[1].startswith("process was killed by signal SIGKILL")
 
 
 def test_a_rank_that_calls_sys_exit_is_a_failure_too():
