@@ -1,0 +1,169 @@
+"""Checks for notebook 07 (checkpointing a DDP job)."""
+
+import io
+import os
+import signal
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from course.exercises import correct, is_stub, todo, wrong
+from course.launcher import WorkerError, launch
+
+
+class _Wrapper(nn.Module):
+    """A model with a child that is itself called ``module`` (EMA and wrapper classes do this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(3, 2)
+        self.head = nn.Linear(2, 1)
+
+
+# A state_dict saved without DDP: nothing to strip, although "module" appears in the keys.
+_NO_PREFIX = {"0.weight": torch.zeros(2), "block.module.weight": torch.ones(2), "modules.0.bias": torch.ones(1)}
+
+
+def strip_module_prefix(fn):
+    """Exercise 1: turn a state_dict saved from ``DDP(model)`` into one for ``model``."""
+    name = "Exercise 1 (strip_module_prefix)"
+    if is_stub(fn):
+        return todo(name)
+    torch.manual_seed(0)
+    model = _Wrapper()
+    plain = model.state_dict()
+    from_ddp = {"module." + k: v.clone() for k, v in plain.items()}  # what DDP(model).state_dict() holds
+    try:
+        got = fn(dict(from_ddp))
+        unchanged = fn(dict(_NO_PREFIX))
+    except Exception as e:
+        return wrong(name, f"your function raised {type(e).__name__}: {e}")
+    if got is None:
+        return wrong(name, "return the new state_dict (a dict), do not only change it in place.")
+    if not isinstance(got, dict):
+        return wrong(name, f"return a dict of key -> tensor, not a {type(got).__name__}.")
+    if sorted(got) == sorted(k.replace("module.", "") for k in from_ddp) and sorted(got) != sorted(plain):
+        return wrong(name, "remove only the *leading* 'module.': a key like 'module.module.weight' has a "
+                           "submodule that is really called 'module'. Use key.startswith and slicing.")
+    if sorted(got) != sorted(plain):
+        return wrong(name, f"expected the keys {sorted(plain)}, got {sorted(got)}.")
+    if not all(torch.equal(got[k], plain[k]) for k in plain):
+        return wrong(name, "the keys are right but the tensors changed: keep each value as it is.")
+    if not isinstance(unchanged, dict) or sorted(unchanged) != sorted(_NO_PREFIX):
+        return wrong(name, "keys that do not start with 'module.' (a state_dict saved without DDP) must stay as they are.")
+    fresh = _Wrapper()
+    fresh.load_state_dict(got)  # strict: every key matches
+    return correct(name, "the checkpoint from DDP loads into the plain model (strict=True).")
+
+
+# ------------------------------------------------------------------ Exercise 2
+
+
+def _dying_save(real_save):
+    """A torch.save that writes half the bytes, then the process is SIGKILLed."""
+
+    def save(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        data = buffer.getvalue()
+        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
+        out.write(data[: len(data) // 2])
+        out.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return save
+
+
+def _save_and_die(rank, world_size, fn, obj, path):
+    torch.save = _dying_save(torch.save)  # only in this process
+    fn(obj, path)
+    return "returned"
+
+
+def _target(f):
+    """Where torch.save was asked to write: a path, or a file object's name."""
+    name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+    return None if name is None or isinstance(name, int) else Path(name).resolve()
+
+
+def _load_step(path):
+    with warnings.catch_warnings():  # a plain pickle.dump file also warns about its protocol
+        warnings.simplefilter("ignore")
+        return torch.load(path, weights_only=True)["step"]
+
+
+def atomic_save(fn):
+    """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
+    name = "Exercise 2 (atomic_save)"
+    if is_stub(fn):
+        return todo(name)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "checkpoint.pt").resolve()
+        targets, renames, fsyncs = [], [], []
+        real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
+
+        def recording_save(obj, f, *args, **kwargs):
+            targets.append(_target(f))
+            return real["save"](obj, f, *args, **kwargs)
+
+        def recording(kind):
+            def call(*args, **kwargs):
+                (fsyncs if kind == "fsync" else renames).append(args)
+                return real[kind](*args, **kwargs)
+
+            return call
+
+        torch.save = recording_save
+        os.fsync, os.replace, os.rename = recording("fsync"), recording("replace"), recording("rename")
+        try:
+            fn({"step": 1, "weight": torch.ones(3)}, str(path))
+            fn({"step": 2, "weight": torch.full((3,), 2.0)}, str(path))
+        except Exception as e:
+            return wrong(name, f"saving raised {type(e).__name__}: {e}")
+        finally:
+            torch.save, os.fsync, os.replace, os.rename = real["save"], real["fsync"], real["replace"], real["rename"]
+        try:
+            step = _load_step(path)
+        except Exception as e:
+            return wrong(name, f"torch.load(path, weights_only=True) failed after two saves ({type(e).__name__}); "
+                               "save the object with torch.save and end with the file at `path`.")
+        if step != 2:
+            return wrong(name, "after saving step 1 and then step 2, the file at `path` should hold step 2.")
+        if not targets:
+            return wrong(name, "write the checkpoint with torch.save (into a temporary file).")
+        if any(t == path for t in targets):
+            return wrong(name, "torch.save writes straight into `path`: a crash halfway leaves a half-written "
+                               "checkpoint. Write to a temporary file first, then rename it onto `path`.")
+        sources = [Path(args[0]).resolve() for args in renames if len(args) >= 2]
+        if any(t is not None and t.parent != path.parent for t in targets) or any(
+            src.parent != path.parent for src in sources
+        ):
+            return wrong(name, "create the temporary file in the same folder as `path` (tempfile.mkstemp(dir=...)): "
+                               "os.replace is only atomic within one file system, and /tmp is often another one.")
+        if not renames:
+            return wrong(name, "finish with os.replace(temporary_file, path): a rename is atomic, a copy is not.")
+        leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
+        if leftovers:
+            return wrong(name, f"files were left next to the checkpoint ({leftovers}): rename the temporary "
+                               "file onto `path` with os.replace instead of copying it.")
+        if not fsyncs:
+            return wrong(name, "call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
+                               "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
+        try:
+            launch(_save_and_die, 1, fn, {"step": 3, "weight": torch.zeros(100_000)}, str(path), show=None, timeout=30)
+        except WorkerError as e:
+            if "SIGKILL" not in e.failed.get(0, ""):
+                return wrong(name, f"saving failed in an unexpected way: {e.failed.get(0, e)}")
+        else:
+            return wrong(name, "save the object with torch.save (the check makes torch.save crash halfway).")
+        try:
+            step = _load_step(path)
+        except Exception:
+            return wrong(name, "a crash in the middle of torch.save left a broken file at `path`: write to a "
+                               "temporary file and os.replace it onto `path` only when it is complete.")
+        if step != 2:
+            return wrong(name, f"after the crash `path` holds step {step}, expected the previous checkpoint (step 2).")
+    return correct(name, "killed halfway through a save, the previous checkpoint still loads.")

@@ -1,0 +1,149 @@
+"""Notebook 07's checks reject plausible wrong answers with a useful hint."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist  # noqa: F401
+
+from course.checks import nb07
+
+# ------------------------------------------------------------------ Exercise 1
+
+
+def _replace_everywhere(state_dict):
+    return {k.replace("module.", ""): v for k, v in state_dict.items()}
+
+
+def _slice_every_key(state_dict):
+    return {k[len("module."):]: v for k, v in state_dict.items()}
+
+
+def _in_place(state_dict):
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, "module.")
+
+
+def _zeroed(state_dict):
+    return {k.removeprefix("module."): torch.zeros_like(v) for k, v in state_dict.items()}
+
+
+def _typo(state_dict):
+    return {k.removeprefix("modul."): v for k, v in state_dict.items()}
+
+
+def _crashes(state_dict):
+    raise KeyError("oops")
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_replace_everywhere, "leading"),
+        (_slice_every_key, "must stay as they are"),
+        (_in_place, "return the new state_dict"),
+        (_zeroed, "keep each value"),
+        (_typo, "expected the keys"),
+        (_crashes, "raised KeyError"),
+        (lambda sd: list(sd.items()), "return a dict"),
+    ],
+)
+def test_strip_module_prefix_rejects_wrong_answers(answer, hint):
+    feedback = nb07.strip_module_prefix(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_strip_module_prefix_accepts_alternatives():
+    def with_removeprefix(state_dict):
+        return {(k.removeprefix("module.")): v for k, v in state_dict.items()}
+
+    def copy_then_consume(state_dict):
+        state_dict = dict(state_dict)
+        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, "module.")
+        return state_dict
+
+    assert nb07.strip_module_prefix(with_removeprefix).status == "correct"
+    assert nb07.strip_module_prefix(copy_then_consume).status == "correct"
+
+
+# ------------------------------------------------------------------ Exercise 2
+
+
+def _straight_into_path(obj, path):
+    torch.save(obj, path)
+
+
+def _temporary_in_tmp(obj, path):
+    fd, tmp = tempfile.mkstemp(suffix=".tmp")  # in the system's temporary folder, not next to path
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _copy_not_rename(obj, path):
+    tmp = str(path) + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.copyfile(tmp, path)
+
+
+def _no_fsync(obj, path):
+    tmp = str(path) + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _pickle_instead(obj, path):
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+
+
+def _forgets_the_rename(obj, path):
+    tmp = str(path) + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_straight_into_path, "half-written"),
+        (_temporary_in_tmp, "same folder"),
+        (_copy_not_rename, "os.replace"),
+        (_no_fsync, "fsync"),
+        (_pickle_instead, "torch.load(path, weights_only=True) failed"),
+        (_forgets_the_rename, "torch.load(path, weights_only=True) failed"),
+        (lambda obj, path: 1 / 0, "raised ZeroDivisionError"),
+    ],
+)
+def test_atomic_save_rejects_wrong_answers(answer, hint):
+    feedback = nb07.atomic_save(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_atomic_save_accepts_a_fixed_temporary_name_next_to_the_file():
+    def fixed_name(obj, path):
+        tmp = str(path) + ".tmp"
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    assert nb07.atomic_save(fixed_name).status == "correct"
+
+
+def test_atomic_save_check_restores_what_it_patched():
+    originals = (torch.save, os.fsync, os.replace, os.rename)
+    nb07.atomic_save(_no_fsync)
+    nb07.atomic_save(lambda obj, path: 1 / 0)
+    assert (torch.save, os.fsync, os.replace, os.rename) == originals
