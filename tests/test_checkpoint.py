@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 (DDP imports it lazily; once here instead of in every forked rank)
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
