@@ -1,0 +1,146 @@
+"""Notebook 06's checks reject plausible wrong answers with a hint that points at the mistake."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.checks import nb06
+
+
+# ------------------------------------------------------------------ Exercise 1: global_mean_var
+
+
+def _local_only(x):
+    return x.mean(0), x.var(0, unbiased=False)
+
+
+def _mean_of_means(x):
+    mean, var = x.mean(0), x.var(0, unbiased=False)
+    dist.all_reduce(mean)
+    return mean / dist.get_world_size(), var
+
+
+def _sums(x):
+    stats = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([len(x)], dtype=x.dtype)])
+    dist.all_reduce(stats)
+    c = x.shape[1]
+    return stats[:c], stats[c : 2 * c], stats[-1]
+
+
+def _unbiased(x):
+    total, total_sq, n = _sums(x)
+    mean = total / n
+    return mean, (total_sq - n * mean * mean) / (n - 1)
+
+
+def _mean_of_variances(x):
+    total, _, n = _sums(x)
+    var = x.var(0, unbiased=False)
+    dist.all_reduce(var)
+    return total / n, var / dist.get_world_size()
+
+
+def _per_sample_mean(x):
+    total, total_sq, n = _sums(x)
+    return total / n, total_sq / n
+
+
+def _single_tensor(x):
+    total, total_sq, n = _sums(x)
+    return torch.stack([total / n, total_sq / n - (total / n) ** 2])[0]
+
+
+def _crashes(x):
+    raise RuntimeError("typo")
+
+
+def _over_channels(x):
+    mean = x.mean(1)
+    return mean, mean
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_local_only, "only its own samples"),
+        (_mean_of_means, "all_reduce the count"),
+        (_unbiased, "biased variance"),
+        (_mean_of_variances, "averaging the ranks' variances"),
+        (_per_sample_mean, "Σx²/n - mean²"),
+        (_single_tensor, "return two tensors"),
+        (_over_channels, "one mean and one variance per channel"),
+        (_crashes, "a rank failed: RuntimeError: typo"),
+    ],
+)
+def test_global_mean_var_rejects_wrong_answers(answer, hint):
+    feedback = nb06.global_mean_var(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 2: running_stats
+
+
+def _momentum_swapped(running_mean, running_var, mean, var, n, momentum):
+    return momentum * running_mean + (1 - momentum) * mean, momentum * running_var + (1 - momentum) * var * n / (n - 1)
+
+
+def _biased(running_mean, running_var, mean, var, n, momentum):
+    return (1 - momentum) * running_mean + momentum * mean, (1 - momentum) * running_var + momentum * var
+
+
+def _replaces(running_mean, running_var, mean, var, n, momentum):
+    return mean, var * n / (n - 1)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_momentum_swapped, "weight of the *new* batch"),
+        (_biased, "unbiased"),
+        (_replaces, "(1 - momentum) * running_mean"),
+        (lambda *args: 0.5, "return the pair"),
+    ],
+)
+def test_running_stats_rejects_wrong_answers(answer, hint):
+    feedback = nb06.running_stats(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3: input_grad
+
+
+def _no_mean_term(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
+    return weight * invstd * (g - x_hat * sum_g_xhat / n)
+
+
+def _no_variance_term(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
+    return weight * invstd * (g - sum_g / n)
+
+
+def _no_weight(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
+    return invstd * (g - sum_g / n - x_hat * sum_g_xhat / n)
+
+
+def _local_count(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
+    n = len(g)
+    return weight * invstd * (g - sum_g / n - x_hat * sum_g_xhat / n)
+
+
+def _one_per_channel(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
+    return (weight * invstd * (g - sum_g / n - x_hat * sum_g_xhat / n)).sum(0)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_no_mean_term, "subtract Σg / n"),
+        (_no_variance_term, "subtract x_hat * Σg·x̂ / n"),
+        (_no_weight, "multiply by weight"),
+        (_local_count, "global count"),
+        (_one_per_channel, "shaped like grad_out"),
+        (lambda *args: 1 / 0, "ZeroDivisionError"),
+    ],
+)
+def test_input_grad_rejects_wrong_answers(answer, hint):
+    feedback = nb06.input_grad(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
