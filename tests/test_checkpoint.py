@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from course.checks.nb07 import _dying_save  # torch.save that dies halfway
 from course.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -141,21 +142,8 @@ def test_unwrap():
 # ------------------------------------------------------------------ killed while saving
 
 
-def _die_halfway(real_save):
-    def save(obj, f, *args, **kwargs):
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        data = buffer.getvalue()
-        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
-        out.write(data[: len(data) // 2])
-        out.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return save
-
-
 def _save_and_get_killed(rank, world_size, path, atomic):
-    torch.save = _die_halfway(torch.save)  # in this process only
+    torch.save = _dying_save(torch.save)  # in this process only
     state = {"step": 2, "weights": torch.full((500_000,), 2.0)}
     if atomic:
         save_checkpoint(state, path)
