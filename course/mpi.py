@@ -119,7 +119,10 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
         Path(workdir, "payload").write_bytes(_pickle_by_value(fn, args, plugin))
         Path(workdir, "config").write_bytes(pickle.dumps({"backend": backend, "timeout": timeout}))
         command = mpirun_command(mpirun, world_size) + [sys.executable, "-m", "course.mpi", workdir]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Like multiprocessing's spawn: the ranks import from where this process does
+        # (the course package, the module that defined fn, ...).
+        path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             launcher_output, _ = proc.communicate(timeout=timeout)
