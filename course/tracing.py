@@ -226,7 +226,7 @@ def describe(event, values: bool = False) -> str:
     line = f"{event.op:<11} {tensors:<22} {event.bytes:>9,} B"
     if event.root is not None:
         line += f"  {'peer' if event.op in ('send', 'recv') else 'root'} {event.root}"
-    if values and event.values is not None:
+    if values and event.values:
         line += f"  = {event.values[0] if len(event.values) == 1 else event.values}"
     return line.rstrip()
 

@@ -84,8 +84,8 @@ def expected_ops(fn):
         if got[:3] != ops[:3]:
             return wrong(name, f"{where} the trace starts with {ops[:3]}: DDP's constructor checks the parameter count, then broadcasts shapes, then weights.")
         if got.count("all_reduce") != ops.count("all_reduce"):
-            return wrong(name, f"{where} there are {ops.count('all_reduce')} all_reduces, not {got.count('all_reduce')}: remember that the first step runs with a single bucket.")
+            return wrong(name, f"{where} DDP runs {ops.count('all_reduce')} all_reduce(s), not {got.count('all_reduce')}: remember that the first step runs with a single bucket.")
         if got.count("broadcast") != ops.count("broadcast"):
-            return wrong(name, f"{where} there are {ops.count('broadcast')} broadcasts, not {got.count('broadcast')}: after the first step, rank 0 sends its new bucket layout (two broadcasts), once.")
+            return wrong(name, f"{where} DDP runs {ops.count('broadcast')} broadcast(s), not {got.count('broadcast')}: after the first step, rank 0 sends its new bucket layout (two broadcasts), once.")
         return wrong(name, f"{where} the order differs: the layout broadcasts come at the start of the second step, before its all_reduces.")
     return correct(name, f"your function reproduces {len(CASES)} real traces.")
