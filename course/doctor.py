@@ -42,6 +42,9 @@ def doctor() -> int:
     ok &= _line(dist.is_gloo_available(), "gloo backend (CPU)")
     _line(None, "nccl backend (GPU)", str(dist.is_nccl_available()))
     _line(None, "mpi backend", f"{dist.is_mpi_available()} (pip wheels never include it; the course uses gloo under mpirun)")
+    from course.mpi import find_mpirun
+
+    _line(None, "mpirun (notebook 05)", find_mpirun() or "not found: pip install mpich (part of the dev extra)")
     if not ok:
         return 1
 

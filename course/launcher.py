@@ -55,7 +55,7 @@ import warnings
 from multiprocessing.connection import wait
 from pathlib import Path
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl")  # built in; also any name registered with dist.Backend.register_backend
 START_METHODS = ("fork", "spawn")
 _RELEASE_GRACE = 10.0  # seconds a finished rank gets to tear down its process group
 
@@ -127,7 +127,9 @@ def launch(
                       a list of ranks, or ``None`` for nobody.
         threads:      torch intra-op threads per rank. Always 1 with fork (OpenMP
                       hangs otherwise); with spawn, default cores // world_size.
-        backend:      ``"gloo"`` (CPU tensors) or ``"nccl"`` (one CUDA GPU per rank).
+        backend:      ``"gloo"`` (CPU tensors), ``"nccl"`` (one CUDA GPU per rank), or a
+                      name registered with ``torch.distributed.Backend.register_backend``
+                      (e.g. ``"traced"``, from :mod:`course.tracing`).
         start_method: ``"fork"`` (default on Linux) or ``"spawn"`` (default on macOS
                       and Windows; ``fn`` is sent with cloudpickle; in a script, as
                       always with spawn, call launch under ``if __name__ == "__main__":``).
@@ -147,7 +149,9 @@ def launch(
     ctx = multiprocessing.get_context(start_method)
     if start_method == "fork":
         _import_lazy_modules()
-    payload = (fn, args) if start_method == "fork" else _pickle_by_value(fn, args)
+    # A registered backend: forked ranks inherit the registration, spawned ones redo it.
+    plugin = None if backend in BACKENDS else registered_backend(backend)
+    payload = (fn, args, plugin) if start_method == "fork" else _pickle_by_value(fn, args, plugin)
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
         config = {
@@ -199,8 +203,8 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
         isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise TypeError("env must be a dict of str -> str, e.g. {'NCCL_DEBUG': 'INFO'}.")
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown backend {backend!r}. Use one of {BACKENDS}: gloo for CPU tensors, nccl for CUDA GPUs.")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name such as 'gloo', got {backend!r}.")
     if start_method is not None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS} or None (automatic), got {start_method!r}.")
@@ -212,6 +216,12 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
 
     if not dist.is_available():
         raise RuntimeError("This PyTorch build has no torch.distributed; install the official wheels.")
+    if backend not in BACKENDS and registered_backend(backend) is None:
+        raise ValueError(
+            f"Unknown backend {backend!r}. Use 'gloo' for CPU tensors, 'nccl' for CUDA GPUs, or a name "
+            "registered with torch.distributed.Backend.register_backend (for the course's 'traced' "
+            "backend, `import course.tracing` first)."
+        )
     if backend == "gloo" and not dist.is_gloo_available():
         raise RuntimeError("This PyTorch build has no gloo backend; install the official wheels.")
     if backend == "nccl":
@@ -242,14 +252,35 @@ def _import_lazy_modules():
     import torch._dynamo  # noqa: F401
 
 
-def _pickle_by_value(fn, args):
+def registered_backend(name):
+    """``(name, creator, extended_api, devices)`` of a backend registered with
+    ``dist.Backend.register_backend`` in this process, or None if there is none."""
+    import torch.distributed as dist
+
+    plugin = getattr(dist.Backend, "_plugins", {}).get(name.upper())
+    if plugin is None:
+        return None
+    devices = dist.Backend.backend_capability.get(name.lower())
+    return (name.lower(), plugin.creator_fn, plugin.extended_api, devices)
+
+
+def _register_backend(plugin):
+    """In a fresh (spawned) rank: register the backend the parent had registered."""
+    import torch.distributed as dist
+
+    name, creator, extended_api, devices = plugin
+    if registered_backend(name) is None:
+        dist.Backend.register_backend(name, creator, extended_api=extended_api, devices=devices)
+
+
+def _pickle_by_value(fn, args, plugin=None):
     """For spawn: send ``fn`` (even one defined in a notebook) as bytes, by value."""
     try:
         import cloudpickle
     except ImportError as e:
         raise RuntimeError("start_method='spawn' needs cloudpickle: pip install cloudpickle") from e
     try:
-        return cloudpickle.dumps((fn, args))
+        return cloudpickle.dumps((fn, args, plugin))
     except Exception as e:
         raise TypeError(f"With start_method='spawn', fn and its arguments must be picklable: {e}") from e
 
@@ -416,8 +447,10 @@ def _worker(rank, config, payload, conn, release):
         import torch
 
         torch.set_num_threads(config["threads"])  # first torch call after fork (see docstring)
-        fn, args = payload if isinstance(payload, tuple) else _unpickle(payload)
+        fn, args, plugin = payload if isinstance(payload, tuple) else _unpickle(payload)
         try:
+            if plugin is not None:
+                _register_backend(plugin)
             _init_process_group(rank, config)
             result = fn(rank, config["world_size"], *args)
             data = _pickle_result(result, rank)

@@ -13,6 +13,7 @@ CASES = {
     "launch_overhead.py": (["--quick"], "course.launch (fork)"),
     "allreduce_bandwidth.py": (["--quick", "--out", "{tmp}"], "busbw GB/s"),
     "ddp_step_vs_bucket.py": (["--quick", "--out", "{tmp}"], "bucket_cap_mb=0.25"),
+    "tracer_overhead.py": (["--quick"], "traced ms/step"),
     "notebook_times.py": (["--only", "solutions/01_"], "solutions/01_single_device.ipynb"),
 }
 

@@ -333,6 +333,43 @@ def test_nccl_without_a_gpu_says_to_use_gloo():
         launch(lambda r, w: r, 2, backend="nccl")
 
 
+# ---------------------------------------------------------------- registered backends
+
+
+def _plain_gloo(store, rank, world_size, timeout):
+    """A backend creator, as dist.Backend.register_backend expects: here simply gloo."""
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+@pytest.fixture
+def registered_backend_name():
+    name = "coursetestgloo"
+    if getattr(dist.Backend, name.upper(), None) != name:
+        dist.Backend.register_backend(name, _plain_gloo, devices=["cpu"])
+    return name
+
+
+def _backend_and_sum(rank, world_size):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return dist.get_backend(), t.item()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_backend_registered_with_register_backend_can_be_launched(registered_backend_name, start_method):
+    # Forked ranks inherit the registration; spawned ones get it redone before init.
+    results = launch(_backend_and_sum, 2, backend=registered_backend_name, start_method=start_method, show=None)
+    assert results == [(registered_backend_name, 3.0)] * 2
+
+
+def test_an_unknown_backend_name_says_how_to_register_one():
+    with pytest.raises(ValueError, match="Unknown backend 'nosuchbackend'.*register_backend"):
+        launch(lambda r, w: r, 2, backend="nosuchbackend")
+    with pytest.raises(TypeError, match="backend must be a name"):
+        launch(lambda r, w: r, 2, backend=None)
+    assert _children() == []
+
+
 def test_env_option_reaches_the_ranks():
     assert launch(lambda r, w: os.environ["COURSE_TEST"], 2, env={"COURSE_TEST": "yes"}, show=None) == ["yes", "yes"]
 

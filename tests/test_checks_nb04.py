@@ -1,0 +1,93 @@
+"""Notebook 04's checks reject plausible wrong answers with a useful hint."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.checks import nb04
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (1, "first iteration only"),
+        (3, "parameter that crosses the cap goes into it"),
+        (6, "parameters share buckets"),
+        (5, "order their gradients are ready"),
+        (2.0, "whole number"),
+        ("2", "whole number"),
+    ],
+)
+def test_n_buckets_rejects_wrong_answers(answer, hint):
+    feedback = nb04.n_buckets(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def _no_average(process_group, bucket):
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer.to(torch.bfloat16), async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def _no_compression(process_group, bucket):
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _fp16_instead(process_group, bucket):
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer.to(torch.float16).div_(2), async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def _waits_and_returns_a_tensor(process_group, bucket):
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+    dist.all_reduce(compressed)
+    return bucket.buffer().copy_(compressed)
+
+
+def _returns_zeros(process_group, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(torch.zeros_like(bucket.buffer()))
+    dist.all_reduce(bucket.buffer().to(torch.bfloat16))
+    return fut
+
+
+def _wrong_parameter_name(state, grads):
+    return dist.all_reduce(grads.buffer(), async_op=True).get_future()
+
+
+def _raises(process_group, bucket):
+    raise ValueError("typo")
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_no_average, "divide by the world size"),
+        (_no_compression, "ran in float32: cast the bucket's buffer to torch.bfloat16"),
+        (_fp16_instead, "ran in float16"),
+        (_waits_and_returns_a_tensor, "DDP wants a torch.futures.Future back"),
+        (_returns_zeros, "copy the result back into the float32 buffer"),
+        (_wrong_parameter_name, "must be named `bucket`"),
+        (_raises, "a rank failed: ValueError: typo"),
+        (42, "write a function"),
+    ],
+)
+def test_bf16_hook_rejects_wrong_answers(answer, hint):
+    feedback = nb04.bf16_hook(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_returning_the_bf16_result_without_casting_back_is_fine():
+    # DDP copies the hook's result into its float32 bucket itself, so this is correct too.
+    def hook(process_group, bucket):
+        compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+        return dist.all_reduce(compressed, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    assert nb04.bf16_hook(hook).status == "correct"
