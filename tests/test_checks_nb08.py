@@ -1,0 +1,141 @@
+"""Notebook 08's checks accept right answers and reject plausible wrong ones with a useful hint."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from course.checks import nb08
+
+# ------------------------------------------------------------------ Exercise 1: two-node torchrun commands
+
+C10D = ["--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-id=job"]
+MODULE = ["-m", "course.train"]
+
+
+def _c10d(head, port):
+    return [["torchrun", *C10D, f"--rdzv-endpoint={head}:{port}", *MODULE]] * 2
+
+
+def _static(head, port):
+    return [["torchrun", "--nnodes=2", "--nproc-per-node=4", f"--node-rank={n}", f"--master-addr={head}",
+             f"--master-port={port}", "-m", "course.train"] for n in (0, 1)]
+
+
+def _python_m_strings(head, port):  # strings, and python -m torch.distributed.run, are fine too
+    line = f"{sys.executable} -m torch.distributed.run " + " ".join(C10D) + f" --rdzv-endpoint={head}:{port} -m course.train"
+    return [line, line]
+
+
+@pytest.mark.parametrize("answer", [_c10d, _static, _python_m_strings])
+def test_two_node_commands_accepts_both_rendezvous(answer):
+    assert nb08.two_node_commands(answer).status == "correct"
+
+
+def _swap(option, value):
+    def answer(head, port):
+        commands = []
+        for command in _c10d(head, port):
+            command = [a for a in command if not a.startswith(option + "=")]
+            commands.append(command[:1] + ([f"{option}={value}"] if value is not None else []) + command[1:])
+        return commands
+    return answer
+
+
+def _different_ids(head, port):
+    return [["torchrun", *C10D[:3], f"--rdzv-id=job{n}", f"--rdzv-endpoint={head}:{port}", *MODULE] for n in (0, 1)]
+
+
+def _own_host(head, port):
+    return [["torchrun", *C10D, f"--rdzv-endpoint={host}:{port}", *MODULE] for host in (head, "node02")]
+
+
+def _static_same_rank(head, port):
+    return [_static(head, port)[0]] * 2
+
+
+def _standalone(head, port):
+    return [["torchrun", "--standalone", "--nnodes=2", "--nproc-per-node=4", "-m", "course.train"]] * 2
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (_swap("--nproc-per-node", 8), "ONE node"),
+    (_swap("--nnodes", 1), "number of nodes"),
+    (_swap("--rdzv-endpoint", "localhost:29400"), "same address"),
+    (_swap("--rdzv-endpoint", "node01:12345"), "port you were given"),
+    (_different_ids, "same --rdzv-id"),
+    (_own_host, "same address"),
+    (_static_same_rank, "its own --node-rank"),
+    (_standalone, "never meet"),
+    (lambda head, port: [["torchrun", "--nproc-per-node=4", "train.py"]] * 2, "-m course.train"),
+    (lambda head, port: [["torchrun", *C10D, *MODULE, f"--rdzv-endpoint={head}:{port}"]] * 2, "go before '-m"),
+    (lambda head, port: [["python", "train.py"]] * 2, "start with 'torchrun'"),
+    (lambda head, port: [["torchrun", "--no-such-option", "-m", "course.train"]] * 2, "cannot read"),
+    (lambda head, port: _c10d(head, port)[0], "list of 2 commands"),
+])
+def test_two_node_commands_rejects_wrong_answers(answer, hint):
+    feedback = nb08.two_node_commands(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 2: predict the skipped collective
+
+
+@pytest.mark.parametrize("answer, hint", [(30.0, "by order"), (20, "did complete"), (3.0, "by order"),
+                                          ("twenty", "one number")])
+def test_skipped_collective_rejects_wrong_answers(answer, hint):
+    feedback = nb08.skipped_collective(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_skipped_collective_accepts_a_tensor():
+    assert nb08.skipped_collective(torch.tensor([21.0])).status == "correct"
+
+
+# ------------------------------------------------------------------ Exercise 3: Join
+
+
+def _no_join(model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return len(batches)
+
+
+def _stop_at_the_shortest(model, optimizer, batches):
+    import torch.distributed as dist
+
+    n = torch.tensor(len(batches))
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    for x, y in batches[: int(n)]:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return int(n)
+
+
+def _join_without_step(model, optimizer, batches):
+    from torch.distributed.algorithms.join import Join
+
+    with Join([model]):
+        for x, y in batches:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+    return len(batches)
+
+
+def _crashes(model, optimizer, batches):
+    raise ValueError("typo")
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (_no_join, "with Join([model])"),
+    (_stop_at_the_shortest, "all of its batches"),
+    (_join_without_step, "optimizer.step()"),
+    (_crashes, "a rank failed: ValueError: typo"),
+])
+def test_train_with_join_rejects_wrong_answers(answer, hint):
+    feedback = nb08.train_with_join(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback

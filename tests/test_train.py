@@ -1,0 +1,322 @@
+"""course.train: one script under every launcher (torchrun, two torchrun agents, Slurm, mpirun,
+course.launch), elastic restarts that resume exactly, and failure reports.
+
+Every run trains the same 24 steps on 2 ranks, so every launcher must end with the same weights,
+bit for bit, as the run under course.launch (the ``reference`` fixture). Every command runs
+through course.shell with a timeout, and each test checks that none of its processes is left.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import course.train
+from course import shell
+from course.checkpoint import load_checkpoint
+from course.launcher import WorkerError, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["--steps", "24", "--batch-size", "64", "--save-every", "8", "--log-every", "8"]
+TIMEOUT = 240  # seconds for one command; a healthy run takes 5-20 s on 2 busy cores
+LAUNCHER_VARIABLES = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT"
+                                r"|SLURM_.*|OMPI_.*|PMI_.*|PMIX_.*|MPI_LOCAL.*|TORCHELASTIC_.*|TORCH_DISTRIBUTED_DEBUG)$")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra):
+    """This environment without any launcher's variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARIABLES.match(k)}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")  # gloo on the CPU, like the reference, even on a GPU machine
+    if sys.platform == "linux":
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # both "nodes" are this machine
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(*options):
+    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "course.train", *TRAIN]
+
+
+def weights(path):
+    return load_checkpoint(path)["model"]
+
+
+def same(a, b):
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def ok(result):
+    assert not result.timed_out, f"timed out:\n{result.output[-3000:]}"
+    assert result.returncode == 0, result.output[-3000:]
+    return result.output
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(tmp_path):
+    """Every command of a test names a file in tmp_path: no process with it may survive the test."""
+    yield
+    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {[p.info for p in left]}"
+
+
+def _main(rank, world_size, argv):
+    return course.train.main(argv)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The final weights of the 24 steps on 2 ranks under course.launch (no torchrun)."""
+    results = launch(_main, 2, TRAIN, show=None, timeout=120)
+    assert same(results[0], results[1])
+    return results[0]
+
+
+# ------------------------------------------------------------------ set-up, without launching
+
+
+def test_without_a_launcher_it_says_how_to_start_it(tmp_path):
+    result = shell.run([sys.executable, "-m", "course.train", "--out", tmp_path / "w.pt"], 60, clean_env())
+    assert result.returncode == 1
+    assert "No launcher environment found" in result.output and "torchrun" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--save-every", "-1"], ["--crash-how", "explode"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        course.train.parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+SLURM_4_NODES = {  # what srun gives task 13 of 16 (4 nodes x 4 tasks) in job 734519
+    "SLURM_JOB_ID": "734519", "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NODELIST": "node[01-04]",
+    "SLURM_NNODES": "4", "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "4(x4)", "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_PROCID": "13", "SLURM_LOCALID": "1", "SLURM_NODEID": "3", "SLURMD_NODENAME": "node04",
+    "SLURM_CPUS_PER_TASK": "8", "SLURM_JOB_NAME": "ddp-course", "SLURM_STEP_ID": "0",
+}
+
+
+@pytest.fixture
+def fake_init(monkeypatch):
+    """Record what setup() asks init_process_group for, instead of connecting to node01."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "placeholder")  # restored after the test; setup() exports them
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    return calls
+
+
+def test_setup_from_a_slurm_environment_with_a_compressed_node_list(fake_init):
+    env, device = course.train.setup(timeout=30, environ=SLURM_4_NODES)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.node_rank) == ("slurm", 13, 16, 1, 3)
+    assert device == torch.device("cpu") or torch.cuda.is_available()
+    (args, kwargs), = fake_init
+    assert kwargs["init_method"] == "env://" and kwargs["timeout"].total_seconds() == 30
+    expected = {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "node01", "MASTER_PORT": str(15000 + 734519 % 20000)}
+    assert {k: os.environ[k] for k in expected} == expected
+
+
+def test_setup_picks_nccl_and_this_ranks_gpu_when_every_local_rank_has_one(fake_init, monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    env, device = course.train.setup(environ=SLURM_4_NODES)
+    (args, kwargs), = fake_init
+    assert args == ("nccl",) and device == torch.device("cuda", 1) and chosen == [device]
+    assert kwargs["device_id"] == device
+
+
+@pytest.mark.parametrize("available, count, local_world_size, expected", [
+    (False, 0, 2, ("gloo", "cpu")),
+    (True, 2, 2, ("nccl", "cuda:1")),
+    (True, 8, 4, ("nccl", "cuda:1")),
+    (True, 1, 2, ("gloo", "cpu")),  # 2 ranks cannot share 1 GPU with NCCL
+])
+def test_choose_device(monkeypatch, available, count, local_world_size, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    backend, device = course.train.choose_device(1, local_world_size)
+    assert (backend, str(device)) == expected
+
+
+# ------------------------------------------------------------------ real runs, every launcher
+
+
+def test_under_course_launch_a_crash_names_the_rank():
+    with pytest.raises(WorkerError) as failure:
+        launch(_main, 2, TRAIN + ["--crash-at", "4"], show=None, timeout=60)
+    assert failure.value.rank == 1
+    assert failure.value.failed[1] == "RuntimeError: simulated failure on rank 1 after step 4"
+
+
+def test_torchrun_standalone(tmp_path, reference):
+    out = ok(shell.run(torchrun("--standalone", "--nproc-per-node=2") + ["--out", tmp_path / "w.pt"],
+                       TIMEOUT, clean_env()))
+    assert "torchrun: 2 ranks, gloo on cpu" in out
+    assert same(weights(tmp_path / "w.pt"), reference)
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_torchrun_agents_like_two_nodes(tmp_path, reference, rendezvous):
+    """The commands you would type on two hosts, here both on this one: 1 process per 'node'."""
+    port = free_port()
+    if rendezvous == "c10d":  # the ranks are given out by the rendezvous; --node-rank is ignored
+        options = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-job"]
+    else:  # static: --node-rank decides, and node 0 hosts the store
+        options = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    agents = [torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", *options)
+              + ["--out", tmp_path / f"w{node}.pt"] for node in (0, 1)]
+    results = shell.run_all(agents, TIMEOUT, clean_env())
+    outputs = [ok(r) for r in results]
+    nodes = [int(re.search(r"rank (\d): local rank 0, node (\d)", out).group(2)) for out in outputs]
+    assert sorted(nodes) == [0, 1]
+    if rendezvous == "static":
+        assert nodes == [0, 1]  # each agent's --node-rank
+    written = [tmp_path / f"w{n}.pt" for n in (0, 1) if (tmp_path / f"w{n}.pt").exists()]
+    assert len(written) == 1 and same(weights(written[0]), reference)  # rank 0 writes, on one node
+
+
+FAKE_SRUN = """\
+#!{python}
+# A stand-in for Slurm's srun on one node: start SLURM_NTASKS copies of the command,
+# each with its SLURM_PROCID and SLURM_LOCALID, and return the worst exit code.
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args.pop(0)  # srun's own options
+procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_NODEID": "0"}})
+         for i in range(int(os.environ["SLURM_NTASKS"]))]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_sbatch_template_under_a_fake_srun(tmp_path, reference):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN.format(python=sys.executable))
+    srun.chmod(0o755)
+    env = clean_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable,
+        CHECKPOINT=tmp_path / "ckpt" / "job.pt", MASTER_PORT=free_port(),
+        # what sbatch sets for a 1-node, 2-task job
+        SLURM_JOB_ID=4242, SLURM_JOB_NODELIST="localhost", SLURM_NNODES=1, SLURM_NTASKS=2,
+        SLURM_TASKS_PER_NODE=2, SLURM_CPUS_PER_TASK=1,
+    )
+    out = ok(shell.run(["bash", ROOT / "scripts" / "train.sbatch", *TRAIN, "--out", tmp_path / "w.pt"],
+                       TIMEOUT, env, cwd=tmp_path))
+    assert "slurm: 2 ranks, gloo on cpu" in out
+    assert same(weights(tmp_path / "w.pt"), reference)
+    assert load_checkpoint(tmp_path / "ckpt" / "job.pt")["step"] == 24
+
+
+def test_sbatch_template_asks_for_what_it_says():
+    text = (ROOT / "scripts" / "train.sbatch").read_text()
+    options = dict(re.findall(r"^#SBATCH --([\w-]+)=?(\S*)", text, re.M))
+    assert options["nodes"] == "2" and options["ntasks-per-node"] == options["gpus-per-node"] == "4"
+    assert "requeue" in options
+    assert subprocess.run(["bash", "-n", ROOT / "scripts" / "train.sbatch"]).returncode == 0
+
+
+def find_mpirun():
+    here = Path(sys.executable).with_name("mpirun")
+    return str(here) if here.exists() else shutil.which("mpirun")
+
+
+@pytest.mark.skipif(find_mpirun() is None, reason="mpirun not found: pip install mpich, or install Open MPI or MPICH")
+def test_mpirun(tmp_path, reference):
+    mpirun = find_mpirun()
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
+    env = clean_env(MASTER_PORT=free_port())
+    if "Open MPI" in version:  # runs as root only when told to; -x passes variables on
+        flags = ["--allow-run-as-root", "--oversubscribe", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
+                 "-x", "GLOO_SOCKET_IFNAME", "-x", "OMP_NUM_THREADS"]
+    else:  # MPICH's Hydra passes the whole environment on
+        flags = []
+    out = ok(shell.run([mpirun, *flags, "-n", "2", sys.executable, "-m", "course.train", *TRAIN,
+                        "--out", tmp_path / "w.pt"], TIMEOUT, env))
+    assert re.search(r"(openmpi|mpich): 2 ranks, gloo on cpu", out)
+    assert same(weights(tmp_path / "w.pt"), reference)
+
+
+# ------------------------------------------------------------------ failures and restarts
+
+
+def test_elastic_restart_resumes_from_the_checkpoint_and_ends_with_the_same_weights(tmp_path, reference):
+    """Rank 1 is killed (SIGKILL) after step 20; torchrun restarts both ranks; they resume from
+    the checkpoint of step 16 and finish: the same weights as the run that never failed."""
+    command = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1") + [
+        "--checkpoint", tmp_path / "ckpt.pt", "--crash-at", "20", "--crash-how", "kill", "--out", tmp_path / "w.pt"]
+    out = ok(shell.run(command, TIMEOUT, clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)))
+    assert "rank 1: crashing after step 20 (kill)" in out
+    assert "resumed from step 16 (epoch 0, 16 batches of it done)" in out
+    assert out.count("torchrun: 2 ranks") == 2  # two attempts
+    assert same(weights(tmp_path / "w.pt"), reference)
+
+
+def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(tmp_path):
+    command = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=0") + [
+        "--checkpoint", tmp_path / "ckpt.pt", "--crash-at", "4", "--out", tmp_path / "w.pt"]
+    result = shell.run(command, TIMEOUT, clean_env())
+    assert not result.timed_out and result.returncode == 1
+    report = result.output[result.output.index("course.train FAILED"):]
+    failures = re.split(r"\n\[\d+\]:\n", report)[1:]  # one section per failed rank
+    crashed = [f for f in failures if re.search(r"rank\s*: 1 \(local_rank: 1\)", f)]
+    assert len(crashed) == 1
+    assert "error_file: <N/A>" not in crashed[0]  # @record wrote it
+    assert 'in crash\n      raise RuntimeError(f"simulated failure' in crashed[0]
+    assert "RuntimeError: simulated failure on rank 1 after step 4" in crashed[0]
+    assert not (tmp_path / "w.pt").exists()
+
+
+def test_a_killed_rank_has_no_traceback_to_report(tmp_path):
+    command = torchrun("--standalone", "--nproc-per-node=2") + ["--crash-at", "4", "--crash-how", "kill",
+                                                                  "--out", tmp_path / "w.pt"]
+    result = shell.run(command, TIMEOUT, clean_env())
+    assert result.returncode == 1
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9", result.output)
+    assert "Signal 9 (SIGKILL) received by PID" in result.output
+
+
+# ------------------------------------------------------------------ course.shell
+
+
+def test_shell_timeout_stops_the_whole_tree(tmp_path):
+    """A command whose child hides in a session of its own (as torchrun's workers do)."""
+    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    parent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
+        time.sleep(600)
+    """)
+    result = shell.run([sys.executable, "-c", parent, str(tmp_path)], timeout=5, env=clean_env())
+    assert result.timed_out and result.returncode is None
+    assert (tmp_path / "started").exists()  # the child ran; nothing_left_behind checks it is gone
+
+
+def test_shell_rejects_a_string_command():
+    with pytest.raises(TypeError, match="list of arguments"):
+        shell.run("torchrun --standalone train.py", timeout=5)
