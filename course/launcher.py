@@ -233,6 +233,11 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
         if start_method == "fork" and torch.cuda.is_initialized():
             raise ValueError("CUDA is already initialised in this process, so forked ranks cannot use it; use start_method='spawn'.")
 
+    return ranks_to_show(show, world_size)
+
+
+def ranks_to_show(show, world_size):
+    """``show`` ("all", None, a rank or a list of ranks) as a sorted list of ranks."""
     if show == "all":
         return list(range(world_size))
     if show is None:

@@ -45,6 +45,7 @@ from course.launcher import (
     _register_backend,
     _replay_output,
     _unpickle,
+    ranks_to_show,
     registered_backend,
 )
 
@@ -113,7 +114,7 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     plugin = None if backend in ("gloo", "nccl") else registered_backend(backend)
     if backend not in ("gloo", "nccl") and plugin is None:
         raise ValueError(f"Unknown backend {backend!r}: use 'gloo' or a name registered with dist.Backend.register_backend.")
-    show_ranks = list(range(world_size)) if show == "all" else [] if show is None else sorted({show} if isinstance(show, int) else set(show))
+    show_ranks = ranks_to_show(show, world_size)
 
     with tempfile.TemporaryDirectory(prefix="course-mpi-") as workdir:
         Path(workdir, "payload").write_bytes(_pickle_by_value(fn, args, plugin))
