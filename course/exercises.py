@@ -1,16 +1,45 @@
-"""Feedback for the notebooks' exercises: correct, wrong (with a hint), or not attempted.
+"""Exercises: a check that answers correct / wrong (with a hint) / not attempted yet,
+plus ``hint()`` and ``solution()``.
 
-A check function returns a :class:`Feedback`; as the last line of a cell it shows as one
-line of text. Student notebooks start with stubs: an answer of ``...`` (or ``None``)
-or a function whose body is only ``...``, and every check reports those as
-"not attempted yet" instead of failing, so an untouched notebook runs top to bottom.
+A check module (``course/checks/nbNN.py``) defines each exercise as a function that
+judges a *real attempt* and returns :func:`correct` or :func:`wrong`::
+
+    @exercise("Exercise 2 (average_gradients)",
+              hint="all_reduce every parameter's .grad, then divide by the world size.")
+    def average_gradients(fn):
+        results = launch(run_with, 4, fn, show=None)
+        if ...:
+            return wrong("each rank still has only its own gradient.")
+        return correct("4 ranks, one step: the same weights as one device.")
+
+and the notebook uses it::
+
+    check.average_gradients(average_gradients)   # ✅ / ❌ (with a hint) / ✏️ not attempted
+    check.average_gradients.hint()
+    check.average_gradients.solution()
+
+:class:`Exercise` does what every check needs, so the checks don't repeat it:
+
+* an untouched stub (``...``, ``None``, or a function whose body is ``...``) gives
+  "not attempted yet", so a student notebook runs top to bottom;
+* a rank that fails inside the check's :func:`course.launch` (a
+  :class:`course.WorkerError`) is reported as a wrong answer naming the rank's error;
+* the feedback carries the exercise's name.
+
+``solution()`` shows the solution notebook's own code for the exercise (the notebooks
+are the single source): ``python -m course build`` copies each exercise's solution cell
+into ``course/checks/solutions.json``, and a test keeps that file up to date.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 ICONS = {"correct": "✅", "wrong": "❌", "todo": "✏️"}
+SOLUTIONS_FILE = Path(__file__).parent / "checks" / "solutions.json"
 
 
 @dataclass(frozen=True)
@@ -26,16 +55,77 @@ class Feedback:
         return self.status == "correct"
 
 
-def correct(exercise, message="correct!"):
-    return Feedback(exercise, "correct", message)
+def correct(message="correct!") -> Feedback:
+    return Feedback("", "correct", message)
 
 
-def wrong(exercise, hint):
-    return Feedback(exercise, "wrong", f"not yet. Hint: {hint}")
+def wrong(hint) -> Feedback:
+    return Feedback("", "wrong", f"not yet. Hint: {hint}")
 
 
-def todo(exercise):
-    return Feedback(exercise, "todo", "not attempted yet — replace the `...` with your answer.")
+def todo() -> Feedback:
+    return Feedback("", "todo", "not attempted yet — replace the `...` with your answer.")
+
+
+class Text(str):
+    """A string that shows as itself (not as a quoted repr) at the end of a cell."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Exercise:
+    """One exercise: call it with the student's answer(s) to check them."""
+
+    def __init__(self, judge, name: str, hint: str):
+        functools.update_wrapper(self, judge)
+        self.judge = judge
+        self.name = name
+        self._hint = hint
+        self.notebook = judge.__module__.rsplit(".nb", 1)[-1]  # "course.checks.nb02" -> "02"
+
+    def __call__(self, *answers, **options) -> Feedback:
+        from course.launcher import WorkerError
+
+        if any(is_stub(a) for a in answers):
+            feedback = todo()
+        else:
+            try:
+                feedback = self.judge(*answers, **options)
+            except WorkerError as e:  # the student's code failed on a rank
+                feedback = wrong(f"a rank failed: {e.failed.get(e.rank, e)}")
+        if not isinstance(feedback, Feedback):
+            raise TypeError(f"{self.name}'s check returned {feedback!r}, not correct(...) or wrong(...).")
+        return replace(feedback, exercise=self.name)
+
+    def hint(self) -> Text:
+        return Text(f"💡 {self.name}: {self._hint}")
+
+    def solution(self) -> Text:
+        code = solutions().get(self.notebook, {}).get(self.__name__)
+        if code is None:
+            return Text(f"{self.name}: no stored solution; see solutions/ in the course repository.")
+        return Text(f"💡 {self.name}, a solution:\n\n{code}")
+
+    def __repr__(self) -> str:
+        return f"<exercise {self.name}: call it with your answer; .hint(), .solution()>"
+
+
+def exercise(name: str, hint: str):
+    """Decorator: turn ``judge(answer, ...) -> correct(...) | wrong(...)`` into an :class:`Exercise`."""
+
+    def wrap(judge):
+        return Exercise(judge, name, hint)
+
+    return wrap
+
+
+@functools.lru_cache(maxsize=1)
+def solutions() -> dict:
+    """{notebook number: {exercise name: solution code}}, written by ``python -m course build``."""
+    if not SOLUTIONS_FILE.exists():
+        return {}
+    return json.loads(SOLUTIONS_FILE.read_text(encoding="utf-8"))
 
 
 def _stub():

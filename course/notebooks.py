@@ -17,6 +17,7 @@ and a cell that installs the course when (and only when) it runs on Colab.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -105,6 +106,45 @@ def solution_paths(names=()):
     return paths
 
 
+_CHECK_CALL = re.compile(r"^check\.(?P<exercise>\w+)\((?P<args>.*)\)\s*$", re.M)
+
+
+def solution_code(source: str) -> str:
+    """One code cell's source with the solution markers removed: what ``solution()`` shows."""
+    lines = [line for line in source.splitlines() if not (_BEGIN.match(line) or _END.match(line))]
+    return "\n".join(re.sub(r"\s*#\s*SOLUTION\s*$", "", line) for line in lines).strip()
+
+
+def exercise_solutions(nb) -> dict:
+    """{exercise: solution code} for one solution notebook. An exercise is a call
+    ``check.NAME(answer, ...)``; its solution is the marked cell that defines the answers."""
+    marked = [c.source for c in nb.cells if c.cell_type == "code" and "SOLUTION" in c.source]
+    found = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for call in _CHECK_CALL.finditer(cell.source):
+            names = re.findall(r"\b([A-Za-z_]\w*)\b", call["args"])
+            defines = [
+                src for src in marked
+                if any(re.search(rf"^(def {n}\(|{n}\s*(,[^=]*)?=)", src, re.M) for n in names)
+            ]
+            if defines:
+                found[call["exercise"]] = "\n\n".join(solution_code(src) for src in defines)
+    return found
+
+
+def all_solutions() -> dict:
+    """{notebook number: {exercise: solution code}} for every solution notebook."""
+    return {
+        path.name[:2]: exercise_solutions(nbformat.read(path, as_version=4)) for path in solution_paths()
+    }
+
+
+def write_solutions(path: Path):
+    path.write_text(json.dumps(all_solutions(), indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write(nb, path: Path):
     nbformat.validate(nb)
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
@@ -121,3 +161,6 @@ def build(names=(), run: bool = True):
         write(nb, path)
         write(make_student(nb, path.name), STUDENT / path.name)
         print(f"wrote {(STUDENT / path.name).relative_to(ROOT)}")
+    from course.exercises import SOLUTIONS_FILE
+
+    write_solutions(SOLUTIONS_FILE)

@@ -6,64 +6,60 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.exercises import correct, is_stub, todo, wrong
-from course.launcher import WorkerError, launch
+from course.exercises import correct, exercise, wrong
+from course.launcher import launch
 
 
 def _indices(n, world_size, rank, drop_last):
     return list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last))
 
 
+@exercise("Exercise 1 (DistributedSampler indices)", hint="with drop_last=False every rank gets ceil(14 / 4) = 4 indices: the list is padded to 16.")
 def rank_indices(padded, dropped):
     """Exercise 1: rank 3's indices for 14 samples on 4 ranks, ``shuffle=False``, with
     ``drop_last=False`` (``padded``) and ``drop_last=True`` (``dropped``)."""
-    name = "Exercise 1 (DistributedSampler indices)"
-    if is_stub(padded) or is_stub(dropped):
-        return todo(name)
     try:
         padded, dropped = [int(i) for i in padded], [int(i) for i in dropped]
     except (TypeError, ValueError):
-        return wrong(name, "give two lists of whole numbers, e.g. [3, 7] and [3].")
+        return wrong("give two lists of whole numbers, e.g. [3, 7] and [3].")
     n, world_size, rank = 14, 4, 3
     expected_padded, expected_dropped = _indices(n, world_size, rank, False), _indices(n, world_size, rank, True)
     if padded == expected_padded and dropped == expected_dropped:
-        return correct(name, "rank 3 takes every 4th index from 3; the padding slot 15 holds index 1.")
+        return correct("rank 3 takes every 4th index from 3; the padding slot 15 holds index 1.")
     if any(padded == _indices(n, world_size, other, False) for other in range(world_size) if other != rank):
-        return wrong(name, "that is another rank's share. Ranks count from 0: rank 3 is the fourth rank.")
+        return wrong("that is another rank's share. Ranks count from 0: rank 3 is the fourth rank.")
     drop_hint = ("with drop_last=True the list is cut to 12 = 4 x 3 indices: the last 2 are dropped, "
                  "and rank 3 takes slots 3, 7 and 11.")
     if padded == expected_padded and dropped == padded:
-        return wrong(name, drop_hint)
+        return wrong(drop_hint)
     every_4th = list(range(rank, 16, world_size))
     if padded[:3] != every_4th[:3] or dropped != every_4th[: len(dropped)]:
-        return wrong(name, "DistributedSampler does not cut the dataset into contiguous blocks: "
+        return wrong("DistributedSampler does not cut the dataset into contiguous blocks: "
                            "rank r takes every 4th index, starting at r.")
     if len(padded) != math.ceil(n / world_size):
-        return wrong(name, "with drop_last=False every rank gets ceil(14 / 4) = 4 indices: the list is padded to 16.")
+        return wrong("with drop_last=False every rank gets ceil(14 / 4) = 4 indices: the list is padded to 16.")
     if padded[3] != expected_padded[3]:
-        return wrong(name, "the padding repeats the *first* indices of the list, in order: slot 14 gets "
+        return wrong("the padding repeats the *first* indices of the list, in order: slot 14 gets "
                            "index 0 and slot 15 gets index 1 (not zeros, not the last index). Which slot is rank 3's?")
-    return wrong(name, drop_hint)
+    return wrong(drop_hint)
 
 
+@exercise("Exercise 2 (global batch and steps)", hint="the last, smaller batch is kept (DataLoader's drop_last=False): round up.")
 def batch_arithmetic(global_batch, steps_per_epoch):
     """Exercise 2: 50,000 images, 4 ranks, per-rank batch 32, default DistributedSampler and DataLoader."""
-    name = "Exercise 2 (global batch and steps)"
-    if is_stub(global_batch) or is_stub(steps_per_epoch):
-        return todo(name)
     n, world_size, per_rank = 50_000, 4, 32
     loader = DataLoader(range(n), batch_size=per_rank, sampler=DistributedSampler(range(n), world_size, 0))
     expected_global, expected_steps = per_rank * world_size, len(loader)
     if global_batch == expected_global and steps_per_epoch == expected_steps:
-        return correct(name, f"{expected_global} samples per step; each rank makes {expected_steps} batches "
+        return correct(f"{expected_global} samples per step; each rank makes {expected_steps} batches "
                              "of its 12,500 samples, the last one smaller.")
     if global_batch != expected_global:
-        return wrong(name, "the global batch is what one optimizer step sees: the per-rank batch times the number of ranks.")
+        return wrong("the global batch is what one optimizer step sees: the per-rank batch times the number of ranks.")
     if steps_per_epoch == math.ceil(n / per_rank) or steps_per_epoch == n // per_rank:
-        return wrong(name, "each rank sees only its quarter of the dataset in an epoch, 12,500 samples.")
+        return wrong("each rank sees only its quarter of the dataset in an epoch, 12,500 samples.")
     if steps_per_epoch == (n // world_size) // per_rank:
-        return wrong(name, "the last, smaller batch is kept (DataLoader's drop_last=False): round up.")
-    return wrong(name, "each rank has 50,000 / 4 samples per epoch and cuts them into batches of 32; "
+        return wrong("the last, smaller batch is kept (DataLoader's drop_last=False): round up.")
+    return wrong("each rank has 50,000 / 4 samples per epoch and cuts them into batches of 32; "
                        "every rank takes one optimizer step per batch, all ranks together.")
 
 
@@ -97,19 +93,14 @@ def _run_evaluate(rank, world_size, evaluate, model, dataset):
         return repr(result)[:100]
 
 
+@exercise("Exercise 3 (exact evaluation)", hint="give the accuracy as a fraction between 0 and 1, not a percentage.")
 def evaluate(fn, world_size=3):
     """Exercise 3: exact distributed evaluation (mean loss, accuracy) with all_reduce."""
-    name = "Exercise 3 (exact evaluation)"
-    if is_stub(fn):
-        return todo(name)
     model, dataset = _exact_eval_data()
-    try:
-        results = launch(_run_evaluate, world_size, fn, model, dataset, show=None, timeout=30)
-    except WorkerError as e:
-        return wrong(name, f"a rank failed: {e.failed.get(e.rank, e)}")
+    results = launch(_run_evaluate, world_size, fn, model, dataset, show=None, timeout=30)
     if any(isinstance(r, str) for r in results):
         bad = next(r for r in results if isinstance(r, str))
-        return wrong(name, f"return two numbers, (mean loss, accuracy); got {bad}.")
+        return wrong(f"return two numbers, (mean loss, accuracy); got {bad}.")
     x, y = dataset.tensors
     exact = _metrics(model, x, y)
 
@@ -117,24 +108,24 @@ def evaluate(fn, world_size=3):
         return all(math.isclose(u, v, rel_tol=1e-5, abs_tol=1e-6) for u, v in zip(a, b))
 
     if close(results[0], exact) and all(close(r, exact) for r in results):
-        return correct(name, f"{world_size} ranks, 10 samples, each counted once: the same loss and "
+        return correct(f"{world_size} ranks, 10 samples, each counted once: the same loss and "
                              "accuracy as one process.")
     if not all(close(r, results[0]) for r in results):
-        return wrong(name, "the ranks returned different numbers: each rank must end with the metrics of "
+        return wrong("the ranks returned different numbers: each rank must end with the metrics of "
                            "the whole dataset. Combine the ranks' sums with dist.all_reduce.")
     padded = [_indices(len(dataset), world_size, r, False) for r in range(world_size)]
     padded_all = torch.tensor([i for part in padded for i in part])
     unpadded = [list(range(r, len(dataset), world_size)) for r in range(world_size)]
     mean_of_means = [sum(v) / world_size for v in zip(*(_metrics(model, x[p], y[p]) for p in unpadded))]
     if close(results[0], _metrics(model, x[padded_all], y[padded_all])):
-        return wrong(name, "samples 0 and 1 were counted twice: DistributedSampler pads 10 samples to 12 on "
+        return wrong("samples 0 and 1 were counted twice: DistributedSampler pads 10 samples to 12 on "
                            "3 ranks. Split without padding, e.g. range(rank, len(dataset), world_size).")
     if close(results[0], mean_of_means):
-        return wrong(name, "the ranks hold 4, 3 and 3 samples, so the mean of their means weights them "
+        return wrong("the ranks hold 4, 3 and 3 samples, so the mean of their means weights them "
                            "wrongly. all_reduce the sums (loss sum, correct count, sample count), then divide.")
     if math.isclose(results[0][0], exact[0] * len(dataset), rel_tol=1e-5):
-        return wrong(name, "return the *mean* loss per sample, not the sum.")
+        return wrong("return the *mean* loss per sample, not the sum.")
     if math.isclose(results[0][1], 100 * exact[1], rel_tol=1e-5):
-        return wrong(name, "give the accuracy as a fraction between 0 and 1, not a percentage.")
-    return wrong(name, "every rank must return (mean cross-entropy loss, accuracy) over all 10 samples, each "
+        return wrong("give the accuracy as a fraction between 0 and 1, not a percentage.")
+    return wrong("every rank must return (mean cross-entropy loss, accuracy) over all 10 samples, each "
                        "counted exactly once.")

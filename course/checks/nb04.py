@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import tracing
-from course.exercises import correct, is_stub, todo, wrong
+from course.exercises import correct, exercise, wrong
 from course.launcher import WorkerError, launch
 
 BUCKET_CAP_MB = 2
@@ -36,29 +36,26 @@ def _buckets_per_iteration(rank, world_size, iterations=3):
     return counts
 
 
+@exercise("Exercise 1 (number of buckets)", hint="list the parameters in the order their gradients are ready (last layer first, bias before weight), add up 4 bytes per element, and start a new bucket each time the running total reaches 2 MiB.")
 def n_buckets(answer):
     """Exercise 1: how many buckets DDP uses for ``exercise_model()`` from the 2nd iteration on."""
-    name = "Exercise 1 (number of buckets)"
-    if is_stub(answer):
-        return todo(name)
     if isinstance(answer, bool) or not isinstance(answer, int):
-        return wrong(name, "answer with a whole number of buckets, e.g. 4.")
+        return wrong("answer with a whole number of buckets, e.g. 4.")
     first, *later = launch(_buckets_per_iteration, 1, show=None, timeout=60)[0]
     expected = later[-1]
     if answer == expected:
-        return correct(name, f"{expected} buckets from the second iteration on (the first iteration used {first}).")
+        return correct(f"{expected} buckets from the second iteration on (the first iteration used {first}).")
     if answer == first:
-        return wrong(name, "that is the first iteration only: after it DDP rebuilds the buckets in the order the gradients arrived, cut at bucket_cap_mb.")
+        return wrong("that is the first iteration only: after it DDP rebuilds the buckets in the order the gradients arrived, cut at bucket_cap_mb.")
     if answer == 6:
-        return wrong(name, "parameters share buckets: DDP fills a bucket until it reaches the cap.")
+        return wrong("parameters share buckets: DDP fills a bucket until it reaches the cap.")
     if answer == expected + 1:
         return wrong(
-            name,
             "a bucket is closed only once it has *reached* the cap, so the parameter that crosses the cap "
             "goes into it (a bucket can be bigger than bucket_cap_mb). Walk the parameters from the last "
             "layer's bias backwards, adding up bytes.",
         )
-    return wrong(name, "list the parameters in the order their gradients are ready (last layer first, bias before weight), add up 4 bytes per element, and start a new bucket each time the running total reaches 2 MiB.")
+    return wrong("list the parameters in the order their gradients are ready (last layer first, bias before weight), add up 4 bytes per element, and start a new bucket each time the running total reaches 2 MiB.")
 
 
 def _grads_with_hook(rank, world_size, hook):
@@ -85,29 +82,27 @@ def _grads_with_hook(rank, world_size, hook):
     return {"expected": expected, "got": [p.grad.clone() for p in model.parameters()], "dtypes": dtypes}
 
 
+@exercise("Exercise 2 (bf16 compression hook)", hint="cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
 def bf16_hook(fn):
     """Exercise 2: a comm hook that all-reduces the bucket in bfloat16 and averages."""
-    name = "Exercise 2 (bf16 compression hook)"
-    if is_stub(fn):
-        return todo(name)
     if not callable(fn):
-        return wrong(name, "write a function `bf16_hook(process_group, bucket)`.")
+        return wrong("write a function `bf16_hook(process_group, bucket)`.")
     params = list(inspect.signature(fn).parameters)
     if len(params) != 2 or params[1] != "bucket":
-        return wrong(name, "DDP calls a hook with two arguments, and the second must be named `bucket`: def bf16_hook(process_group, bucket).")
+        return wrong("DDP calls a hook with two arguments, and the second must be named `bucket`: def bf16_hook(process_group, bucket).")
     try:
         result = launch(_grads_with_hook, 2, fn, backend="traced", show=None, timeout=60)[0]
     except WorkerError as e:
         summary = e.failed.get(e.rank, str(e))
         if "Future" in summary or "future" in summary:
-            return wrong(name, f"DDP wants a torch.futures.Future back: return dist.all_reduce(..., async_op=True).get_future().then(...). ({summary})")
-        return wrong(name, f"a rank failed: {summary}")
+            return wrong(f"DDP wants a torch.futures.Future back: return dist.all_reduce(..., async_op=True).get_future().then(...). ({summary})")
+        return wrong(f"a rank failed: {summary}")
     got, expected = torch.cat([g.flatten() for g in result["got"]]), torch.cat([g.flatten() for g in result["expected"]])
     if "bfloat16" not in result["dtypes"]:
-        return wrong(name, f"the all_reduce ran in {', '.join(sorted(set(result['dtypes']))) or 'nothing'}: cast the bucket's buffer to torch.bfloat16 before all-reducing it.")
+        return wrong(f"the all_reduce ran in {', '.join(sorted(set(result['dtypes']))) or 'nothing'}: cast the bucket's buffer to torch.bfloat16 before all-reducing it.")
     close = lambda a, b: torch.allclose(a, b, rtol=2e-2, atol=1e-4)
     if close(got, 2 * expected):
-        return wrong(name, "all_reduce sums: divide by the world size (before or after the all_reduce) to average.")
+        return wrong("all_reduce sums: divide by the world size (before or after the all_reduce) to average.")
     if close(got, expected):
-        return correct(name, "half the bytes of float32, gradients within bfloat16's ~3 significant digits.")
-    return wrong(name, "cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
+        return correct("half the bytes of float32, gradients within bfloat16's ~3 significant digits.")
+    return wrong("cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")

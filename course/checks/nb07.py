@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from course.exercises import correct, is_stub, todo, wrong
+from course.exercises import correct, exercise, wrong
 from course.launcher import WorkerError, launch
 
 
@@ -27,11 +27,9 @@ class _Wrapper(nn.Module):
 _NO_PREFIX = {"0.weight": torch.zeros(2), "block.module.weight": torch.ones(2), "modules.0.bias": torch.ones(1)}
 
 
+@exercise("Exercise 1 (strip_module_prefix)", hint="keys that do not start with 'module.' (a state_dict saved without DDP) must stay as they are.")
 def strip_module_prefix(fn):
     """Exercise 1: turn a state_dict saved from ``DDP(model)`` into one for ``model``."""
-    name = "Exercise 1 (strip_module_prefix)"
-    if is_stub(fn):
-        return todo(name)
     torch.manual_seed(0)
     model = _Wrapper()
     plain = model.state_dict()
@@ -40,23 +38,23 @@ def strip_module_prefix(fn):
         got = fn(dict(from_ddp))
         unchanged = fn(dict(_NO_PREFIX))
     except Exception as e:
-        return wrong(name, f"your function raised {type(e).__name__}: {e}")
+        return wrong(f"your function raised {type(e).__name__}: {e}")
     if got is None:
-        return wrong(name, "return the new state_dict (a dict), do not only change it in place.")
+        return wrong("return the new state_dict (a dict), do not only change it in place.")
     if not isinstance(got, dict):
-        return wrong(name, f"return a dict of key -> tensor, not a {type(got).__name__}.")
+        return wrong(f"return a dict of key -> tensor, not a {type(got).__name__}.")
     if sorted(got) == sorted(k.replace("module.", "") for k in from_ddp) and sorted(got) != sorted(plain):
-        return wrong(name, "remove only the *leading* 'module.': a key like 'module.module.weight' has a "
+        return wrong("remove only the *leading* 'module.': a key like 'module.module.weight' has a "
                            "submodule that is really called 'module'. Use key.startswith and slicing.")
     if sorted(got) != sorted(plain):
-        return wrong(name, f"expected the keys {sorted(plain)}, got {sorted(got)}.")
+        return wrong(f"expected the keys {sorted(plain)}, got {sorted(got)}.")
     if not all(torch.equal(got[k], plain[k]) for k in plain):
-        return wrong(name, "the keys are right but the tensors changed: keep each value as it is.")
+        return wrong("the keys are right but the tensors changed: keep each value as it is.")
     if not isinstance(unchanged, dict) or sorted(unchanged) != sorted(_NO_PREFIX):
-        return wrong(name, "keys that do not start with 'module.' (a state_dict saved without DDP) must stay as they are.")
+        return wrong("keys that do not start with 'module.' (a state_dict saved without DDP) must stay as they are.")
     fresh = _Wrapper()
     fresh.load_state_dict(got)  # strict: every key matches
-    return correct(name, "the checkpoint from DDP loads into the plain model (strict=True).")
+    return correct("the checkpoint from DDP loads into the plain model (strict=True).")
 
 
 # ------------------------------------------------------------------ Exercise 2
@@ -95,11 +93,9 @@ def _load_step(path):
         return torch.load(path, weights_only=True)["step"]
 
 
+@exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final name.")
 def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
-    name = "Exercise 2 (atomic_save)"
-    if is_stub(fn):
-        return todo(name)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "checkpoint.pt").resolve()
         targets, renames, fsyncs = [], [], []
@@ -122,48 +118,48 @@ def atomic_save(fn):
             fn({"step": 1, "weight": torch.ones(3)}, str(path))
             fn({"step": 2, "weight": torch.full((3,), 2.0)}, str(path))
         except Exception as e:
-            return wrong(name, f"saving raised {type(e).__name__}: {e}")
+            return wrong(f"saving raised {type(e).__name__}: {e}")
         finally:
             torch.save, os.fsync, os.replace, os.rename = real["save"], real["fsync"], real["replace"], real["rename"]
         try:
             step = _load_step(path)
         except Exception as e:
-            return wrong(name, f"torch.load(path, weights_only=True) failed after two saves ({type(e).__name__}); "
+            return wrong(f"torch.load(path, weights_only=True) failed after two saves ({type(e).__name__}); "
                                "save the object with torch.save and end with the file at `path`.")
         if step != 2:
-            return wrong(name, "after saving step 1 and then step 2, the file at `path` should hold step 2.")
+            return wrong("after saving step 1 and then step 2, the file at `path` should hold step 2.")
         if not targets:
-            return wrong(name, "write the checkpoint with torch.save (into a temporary file).")
+            return wrong("write the checkpoint with torch.save (into a temporary file).")
         if any(t == path for t in targets):
-            return wrong(name, "torch.save writes straight into `path`: a crash halfway leaves a half-written "
+            return wrong("torch.save writes straight into `path`: a crash halfway leaves a half-written "
                                "checkpoint. Write to a temporary file first, then rename it onto `path`.")
         sources = [Path(args[0]).resolve() for args in renames if len(args) >= 2]
         if any(t is not None and t.parent != path.parent for t in targets) or any(
             src.parent != path.parent for src in sources
         ):
-            return wrong(name, "create the temporary file in the same folder as `path` (tempfile.mkstemp(dir=...)): "
+            return wrong("create the temporary file in the same folder as `path` (tempfile.mkstemp(dir=...)): "
                                "os.replace is only atomic within one file system, and /tmp is often another one.")
         if not renames:
-            return wrong(name, "finish with os.replace(temporary_file, path): a rename is atomic, a copy is not.")
+            return wrong("finish with os.replace(temporary_file, path): a rename is atomic, a copy is not.")
         leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
         if leftovers:
-            return wrong(name, f"files were left next to the checkpoint ({leftovers}): rename the temporary "
+            return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
         if not fsyncs:
-            return wrong(name, "call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
+            return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
         try:
             launch(_save_and_die, 1, fn, {"step": 3, "weight": torch.zeros(100_000)}, str(path), show=None, timeout=30)
         except WorkerError as e:
             if "SIGKILL" not in e.failed.get(0, ""):
-                return wrong(name, f"saving failed in an unexpected way: {e.failed.get(0, e)}")
+                return wrong(f"saving failed in an unexpected way: {e.failed.get(0, e)}")
         else:
-            return wrong(name, "save the object with torch.save (the check makes torch.save crash halfway).")
+            return wrong("save the object with torch.save (the check makes torch.save crash halfway).")
         try:
             step = _load_step(path)
         except Exception:
-            return wrong(name, "a crash in the middle of torch.save left a broken file at `path`: write to a "
+            return wrong("a crash in the middle of torch.save left a broken file at `path`: write to a "
                                "temporary file and os.replace it onto `path` only when it is complete.")
         if step != 2:
-            return wrong(name, f"after the crash `path` holds step {step}, expected the previous checkpoint (step 2).")
-    return correct(name, "killed halfway through a save, the previous checkpoint still loads.")
+            return wrong(f"after the crash `path` holds step {step}, expected the previous checkpoint (step 2).")
+    return correct("killed halfway through a save, the previous checkpoint still loads.")

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course.exercises import correct, is_stub, todo, wrong
-from course.launcher import WorkerError, WorkerTimeoutError, launch
+from course.exercises import correct, exercise, wrong
+from course.launcher import WorkerTimeoutError, launch
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -41,84 +41,80 @@ def _parse(arguments):
             return None, errors.getvalue().strip().splitlines()[-1]
 
 
+@exercise("Exercise 1 (two_node_commands)", hint="with the static rendezvous, each node needs its own --node-rank: 0 and 1.")
 def two_node_commands(fn):
     """Exercise 1: the torchrun command for each of 2 nodes x 4 GPUs, meeting at the head node."""
-    name = "Exercise 1 (two_node_commands)"
-    if is_stub(fn):
-        return todo(name)
     head, port = "node01", 29400
     try:
         commands = fn(head, port)
     except Exception as e:
-        return wrong(name, f"your function raised {type(e).__name__}: {e}")
+        return wrong(f"your function raised {type(e).__name__}: {e}")
     if not isinstance(commands, (list, tuple)) or len(commands) != 2:
-        return wrong(name, "return a list of 2 commands, one for each node (each a list of arguments).")
+        return wrong("return a list of 2 commands, one for each node (each a list of arguments).")
     parsed = []
     for node, command in enumerate(commands):
         arguments = _torchrun_arguments(command)
         if arguments is None:
-            return wrong(name, f"command {node} should start with 'torchrun' (or python -m torch.distributed.run).")
+            return wrong(f"command {node} should start with 'torchrun' (or python -m torch.distributed.run).")
         args, error = _parse(arguments)
         if args is None:
-            return wrong(name, f"torchrun cannot read command {node}: {error}")
+            return wrong(f"torchrun cannot read command {node}: {error}")
         parsed.append(args)
     for node, args in enumerate(parsed):
         if not (args.module and args.training_script == "course.train"):
-            return wrong(name, f"command {node} should run the module course.train: end it with '-m course.train'.")
+            return wrong(f"command {node} should run the module course.train: end it with '-m course.train'.")
         late = [a for a in args.training_script_args if a.startswith(("--nnodes", "--nproc", "--rdzv", "--node", "--master"))]
         if late:
-            return wrong(name, f"torchrun's options go before '-m course.train': what follows it ({late[0]}) is "
+            return wrong(f"torchrun's options go before '-m course.train': what follows it ({late[0]}) is "
                                "passed to the training script.")
         if args.standalone:
-            return wrong(name, "--standalone makes each agent start its own rendezvous on its own machine: the two "
+            return wrong("--standalone makes each agent start its own rendezvous on its own machine: the two "
                                "nodes would never meet. Name the head node instead (--rdzv-endpoint).")
         if args.nproc_per_node != "4":
-            return wrong(name, f"--nproc-per-node is the number of processes on ONE node (one per GPU): 4, "
+            return wrong(f"--nproc-per-node is the number of processes on ONE node (one per GPU): 4, "
                                f"not {args.nproc_per_node}.")
         if args.nnodes not in ("2", "2:2"):
-            return wrong(name, f"--nnodes is the number of nodes (agents) that must join: 2, not {args.nnodes}.")
+            return wrong(f"--nnodes is the number of nodes (agents) that must join: 2, not {args.nnodes}.")
     backends = {args.rdzv_backend for args in parsed}
     if backends == {"c10d"}:
         endpoints = [args.rdzv_endpoint for args in parsed]
         if any(e.split(":")[0] in ("localhost", "127.0.0.1", "") for e in endpoints) or len(set(endpoints)) != 1:
-            return wrong(name, f"both agents must meet at the same address, the head node's: "
+            return wrong(f"both agents must meet at the same address, the head node's: "
                                f"--rdzv-endpoint={head}:{port} on both (got {endpoints}).")
         if endpoints[0] != f"{head}:{port}":
-            return wrong(name, f"meet at the head node and port you were given: --rdzv-endpoint={head}:{port}.")
+            return wrong(f"meet at the head node and port you were given: --rdzv-endpoint={head}:{port}.")
         if parsed[0].rdzv_id != parsed[1].rdzv_id:
-            return wrong(name, "the same --rdzv-id on every node: it names the job the agents are joining.")
-        return correct(name, "two agents, one rendezvous at the head node; it hands out the node ranks.")
+            return wrong("the same --rdzv-id on every node: it names the job the agents are joining.")
+        return correct("two agents, one rendezvous at the head node; it hands out the node ranks.")
     if backends == {"static"}:
         if {args.master_addr for args in parsed} != {head} or {args.master_port for args in parsed} != {port}:
-            return wrong(name, f"with the static rendezvous, both nodes need --master-addr={head} --master-port={port}.")
+            return wrong(f"with the static rendezvous, both nodes need --master-addr={head} --master-port={port}.")
         if sorted(args.node_rank for args in parsed) != [0, 1]:
-            return wrong(name, "with the static rendezvous, each node needs its own --node-rank: 0 and 1.")
-        return correct(name, "static rendezvous: node 0 hosts the store, --node-rank orders the nodes.")
-    return wrong(name, "use the same rendezvous on both nodes: --rdzv-backend=c10d with --rdzv-endpoint, "
+            return wrong("with the static rendezvous, each node needs its own --node-rank: 0 and 1.")
+        return correct("static rendezvous: node 0 hosts the store, --node-rank orders the nodes.")
+    return wrong("use the same rendezvous on both nodes: --rdzv-backend=c10d with --rdzv-endpoint, "
                        "or --master-addr/--master-port with --node-rank.")
 
 
 # ------------------------------------------------------------------ Exercise 2
 
 
+@exercise("Exercise 2 (skipped collective)", hint="collectives are matched by order: pair rank 1's first all_reduce with rank 0's first.")
 def skipped_collective(answer):
     """Exercise 2: what rank 1's ``b`` holds when rank 1 skipped the all_reduce of ``a``."""
-    name = "Exercise 2 (skipped collective)"
-    if is_stub(answer):
-        return todo(name)
     try:
         value = float(torch.as_tensor(answer).item())
     except (TypeError, ValueError, RuntimeError):
-        return wrong(name, "give one number.")
+        return wrong("give one number.")
     if value == 21.0:
-        return correct(name, "rank 1's first all_reduce met rank 0's first one, the one of `a`: 1 + 20.")
+        return correct("rank 1's first all_reduce met rank 0's first one, the one of `a`: 1 + 20.")
     if value == 30.0:
-        return wrong(name, "that is what a correct program gives. Collectives are not matched by variable "
+        return wrong("that is what a correct program gives. Collectives are not matched by variable "
                            "name, but by order: rank 1's first all_reduce meets rank 0's first all_reduce.")
     if value == 20.0:
-        return wrong(name, "rank 1's all_reduce did complete, so it added something from rank 0: "
+        return wrong("rank 1's all_reduce did complete, so it added something from rank 0: "
                            "which of rank 0's two calls came first?")
-    return wrong(name, "collectives are matched by order: pair rank 1's first all_reduce with rank 0's first.")
+    return wrong("collectives are matched by order: pair rank 1's first all_reduce with rank 0's first.")
 
 
 # ------------------------------------------------------------------ Exercise 3
@@ -167,28 +163,24 @@ def expected_weights():
     return model.state_dict()
 
 
+@exercise("Exercise 3 (train_with_join)", hint="wrap the training loop in `with Join([model]):` so that a rank that ran out of batches shadows the others' all_reduces.")
 def train_with_join(fn):
     """Exercise 3: a training loop that survives ranks with different numbers of batches."""
-    name = "Exercise 3 (train_with_join)"
-    if is_stub(fn):
-        return todo(name)
     try:
         results = launch(_uneven_job, 2, fn, show=None, timeout=10)
     except WorkerTimeoutError as e:
-        return wrong(name, f"rank(s) {e.ranks} waited for the other rank in an all_reduce it never joined: put the "
+        return wrong(f"rank(s) {e.ranks} waited for the other rank in an all_reduce it never joined: put the "
                            "loop inside `with Join([model]):` (from torch.distributed.algorithms.join).")
-    except WorkerError as e:
-        return wrong(name, f"a rank failed: {e.failed.get(e.rank, e)}")
     steps = [r[0] for r in results]
     if steps != list(SIZES):
-        return wrong(name, f"each rank should train on all of its batches and return how many steps it took: "
+        return wrong(f"each rank should train on all of its batches and return how many steps it took: "
                            f"expected {list(SIZES)}, got {steps}.")
     weights = [r[1] for r in results]
     if not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]):
-        return wrong(name, "the ranks ended with different weights: let DDP synchronise every step (Join does it "
+        return wrong("the ranks ended with different weights: let DDP synchronise every step (Join does it "
                            "for the ranks that ran out of batches).")
     expected = expected_weights()
     if not all(torch.allclose(weights[0][k], expected[k], atol=1e-6) for k in expected):
-        return wrong(name, "the weights differ from what the same steps give: per batch, zero_grad, "
+        return wrong("the weights differ from what the same steps give: per batch, zero_grad, "
                            "mse_loss(model(x), y).backward(), optimizer.step().")
-    return correct(name, "rank 0 took 5 steps, rank 1 took 3, nobody hung, and the weights agree.")
+    return correct("rank 0 took 5 steps, rank 1 took 3, nobody hung, and the weights agree.")
