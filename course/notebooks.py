@@ -74,6 +74,8 @@ def set_header(nb, folder: str, name: str):
     badge = nbformat.v4.new_markdown_cell(colab_badge(folder, name), id="colab-badge")
     install = nbformat.v4.new_code_cell(COLAB_INSTALL, id="colab-install")
     has_header = len(nb.cells) >= 2 and nb.cells[0].get("id") == "colab-badge"
+    if has_header and [c.source for c in nb.cells[:2]] == [badge.source, install.source]:
+        return nb  # unchanged: keep its stored output and execution count
     nb.cells[: 2 if has_header else 0] = [badge, install]
     return nb
 

@@ -171,3 +171,32 @@ def _crashes(model):
 def test_average_gradients_rejects_wrong_answers(answer, hint):
     feedback = nb02.average_gradients(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_exercise_wrapper_names_feedback_and_handles_stubs_and_failed_ranks():
+    from course.exercises import correct, exercise, wrong
+    from course.launcher import launch
+
+    def _fails(rank, world_size):
+        raise ValueError(f"boom on {rank}")
+
+    @exercise("Exercise 9 (demo)", hint="think about it.")
+    def demo(answer):
+        if answer == "launch":
+            launch(_fails, 2, show=None)
+        return correct("yes") if answer == 1 else wrong("no")
+
+    assert repr(demo(1)) == "✅ Exercise 9 (demo): yes"
+    assert demo(2).status == "wrong" and demo(2).exercise == "Exercise 9 (demo)"
+    assert demo(...).status == "todo" and demo(None).status == "todo"
+    failed = demo("launch")
+    assert failed.status == "wrong" and "a rank failed" in failed.message and "boom" in failed.message
+    assert demo.hint() == "💡 Exercise 9 (demo): think about it."
+    assert "no stored solution" in demo.solution()
+
+    @exercise("Exercise 10 (broken check)", hint="-")
+    def broken(answer):
+        return True
+
+    with pytest.raises(TypeError, match="not correct"):
+        broken(1)

@@ -1,5 +1,6 @@
 """The notebooks: one source (solutions/), generated student versions, stub handling."""
 
+import json
 import re
 
 import nbformat
@@ -93,3 +94,32 @@ def test_cells_tagged_solution_are_dropped():
     ]
     student = make_student(nb, "x.ipynb")
     assert [c.source for c in student.cells[2:]] == ["keep"]
+
+
+def test_stored_solutions_are_what_the_build_writes():
+    from course.exercises import SOLUTIONS_FILE
+
+    stored = json.loads(SOLUTIONS_FILE.read_text(encoding="utf-8"))
+    assert stored == notebooks.all_solutions(), "course/checks/solutions.json is stale: run `python -m course build --no-execute`"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_exercise_has_a_hint_and_a_stored_solution(name):
+    import importlib
+
+    nb = nbformat.read(SOLUTIONS / name, as_version=4)
+    checks = importlib.import_module(f"course.checks.nb{name[:2]}")
+    called = {m for c in nb.cells if c.cell_type == "code" for m in re.findall(r"^check\.(\w+)\(", c.source, re.M)}
+    assert called
+    for exercise_name in called:
+        ex = getattr(checks, exercise_name)
+        assert ex.hint().startswith("💡") and len(ex.hint()) > 30
+        solution = ex.solution()
+        assert "a solution:" in solution
+        # the solution shown is the notebook's own solution code, markers removed
+        assert "SOLUTION" not in solution
+
+
+def test_solution_code_strips_markers():
+    source = "def f(x):\n    # BEGIN SOLUTION\n    return x\n    # END SOLUTION\nanswer = 3  # SOLUTION"
+    assert notebooks.solution_code(source) == "def f(x):\n    return x\nanswer = 3"
