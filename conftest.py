@@ -1,18 +1,50 @@
 """pytest setup shared by the whole repository.
 
-nbval runs every notebook it collects. The solution notebooks (solutions/) must
-reproduce their stored outputs exactly (``--nbval``); the student notebooks
-(notebooks/) have no stored outputs and only have to run without error, like
-``--nbval-lax``.
+nbval runs every notebook it collects, one pytest item per code cell.
+
+* The solution notebooks (solutions/) must reproduce their stored outputs (``--nbval``).
+* The student notebooks (notebooks/) have no stored outputs and only have to run without
+  error, like ``--nbval-lax``. When the same session also runs the solution notebook,
+  a student notebook's cells that the solution run already executed in the same state
+  are skipped (see ``course.notebooks.student_cells_to_run``): only the cells that
+  differ from the solution, depend on a stub, or feed such a cell run again.
+* With ``--dist loadgroup`` (pytest-xdist), each notebook's cells form one group, so a
+  notebook's kernel never is split across workers, while the other tests spread freely.
+  Notebooks are scheduled first: they are the longest units of work.
 """
 
 from pathlib import Path
 
-STUDENT_DIR = Path(__file__).parent / "notebooks"
+import nbformat
+import pytest
+
+ROOT = Path(__file__).parent
+SOLUTION_DIR = ROOT / "solutions"
+STUDENT_DIR = ROOT / "notebooks"
 
 
+def _is_notebook_cell(item):
+    return isinstance(getattr(item, "options", None), dict) and str(item.path).endswith(".ipynb")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    solutions_here = {Path(str(i.path)).name for i in items if _is_notebook_cell(i) and SOLUTION_DIR in Path(str(i.path)).parents}
+    to_run = {}
     for item in items:
-        options = getattr(item, "options", None)
-        if isinstance(options, dict) and STUDENT_DIR in Path(str(item.path)).parents:
-            options["check"] = False  # lax: run, do not compare outputs
+        if not _is_notebook_cell(item):
+            continue
+        path = Path(str(item.path))
+        item.add_marker(pytest.mark.xdist_group(path.parent.name + "/" + path.name))
+        if STUDENT_DIR not in path.parents:
+            continue
+        item.options["check"] = False  # lax: run, do not compare outputs
+        if path.name in solutions_here:
+            if path.name not in to_run:
+                from course.notebooks import student_cells_to_run
+
+                solution = nbformat.read(SOLUTION_DIR / path.name, as_version=4)
+                to_run[path.name] = set(student_cells_to_run(solution, nbformat.read(path, as_version=4)))
+            if item.cell.get("id") not in to_run[path.name]:
+                item.options["skip"] = True  # ran, in the same state, in the solution notebook
+    items.sort(key=lambda i: not _is_notebook_cell(i))  # stable: notebooks first, in order

@@ -17,6 +17,7 @@ and a cell that installs the course when (and only when) it runs on Colab.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -99,6 +100,120 @@ def execute(nb, cwd: Path, timeout: int = 600):
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
     return nb
+
+
+# ------------------------------------------------------------ what a student run must execute
+#
+# A student notebook is its solution notebook with the answers replaced by stubs. The
+# solution run (nbval, outputs compared) already executes every cell. In the student run
+# a cell can only behave differently if it reads something that depends on a stub, so
+# the test suite runs a student notebook's cells that (a) differ from the solution, or
+# (b) read a name that depends on a stub, or (c) bind something such a cell reads later.
+# The others are byte-identical cells, already executed in the same state by the solution
+# run; leaving them out of the student run is what keeps the suite fast. A cell that
+# mutates an object (``model.eval()``, ``x[0] = 1``) counts as binding that name.
+
+
+def _cell_names(source: str):
+    """What a code cell does with global names: ``reads`` (loads, also inside its
+    functions), ``binds`` (assigns, defines, imports), ``kills`` (surely rebinds at top
+    level without reading), ``imports``, and ``changes``: names whose object a top-level
+    statement may change (``x.a = ..``, ``x[i] = ..``, ``x.f(...)``, ``f(x)``; a call of a
+    module's function, ``torch.manual_seed(0)``, changes the module only).
+    None if the cell cannot be parsed."""
+    import builtins
+    import symtable
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    code = TransformerManager().transform_cell(source)
+    try:
+        tree, table = ast.parse(code), symtable.symtable(code, "<cell>", "exec")
+    except SyntaxError:
+        return None
+    n = {"reads": set(), "binds": set(), "imports": set(), "changes": set(), "stored": set()}
+
+    def visit(scope):
+        for sym in scope.get_symbols():
+            name = sym.get_name()
+            if sym.is_referenced() and (scope.get_type() == "module" or sym.is_global()):
+                n["reads"].add(name)
+            if scope.get_type() == "module" and (sym.is_assigned() or sym.is_imported()):
+                n["binds"].add(name)
+            if scope.get_type() == "module" and sym.is_imported():
+                n["imports"].add(name)
+        for child in scope.get_children():
+            visit(child)
+
+    visit(table)
+    if any(isinstance(x, ast.ImportFrom) and any(a.name == "*" for a in x.names) for x in ast.walk(tree)):
+        return None
+    n["reads"] -= set(dir(builtins))
+
+    def base_name(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def top_level(node):  # the statement's own code, not the bodies of functions it defines
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                yield from top_level(child)
+
+    for stmt in tree.body:
+        for node in top_level(stmt):
+            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
+                n["stored"].add(base_name(node.value))
+            elif isinstance(node, ast.Call):
+                n["changes"] |= {base_name(a) for a in [*node.args, *(k.value for k in node.keywords)]}
+                if isinstance(node.func, ast.Attribute):
+                    n["changes"].add(base_name(node.func.value))
+    n["changes"] -= {None}
+    n["stored"] -= {None}
+    kills, loop_vars = set(), set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.For, ast.With)):
+            targets = [stmt.target] if isinstance(stmt, ast.For) else [w.optional_vars for w in stmt.items if w.optional_vars]
+            loop_vars |= {x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            kills |= {x.id for t in targets if isinstance(t, (ast.Name, ast.Tuple)) for x in ast.walk(t) if isinstance(x, ast.Name)}
+        elif isinstance(stmt, (ast.For, ast.With)):  # bound before the body reads them
+            kills |= loop_vars
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+            kills |= n["binds"] & ({getattr(stmt, "name", None)} | {(a.asname or a.name).split(".")[0] for a in getattr(stmt, "names", [])})
+    n["kills"] = kills - (n["reads"] - loop_vars)
+    return n
+
+
+def student_cells_to_run(solution_nb, student_nb) -> list[str]:
+    """Ids of the student notebook's code cells that a student run must execute."""
+    solution = {c.get("id"): c.source for c in solution_nb.cells if c.cell_type == "code"}
+    cells = [(i, c) for i, c in enumerate(student_nb.cells) if c.cell_type == "code"]
+    names = {i: _cell_names(c.source) for i, c in cells}
+    modules = set().union(*(n["imports"] for n in names.values() if n))
+    # A call of a module's function (torch.manual_seed, course.launch) changes no object
+    # of the notebook's except the module; x.f(...) or f(x) may change x.
+    changes = {i: n["binds"] | n["stored"] | (n["changes"] - modules) for i, n in names.items() if n}
+    # forward: which cells depend on a stub. A dependent cell may also have changed any
+    # object it read (it may pass `model` to the student's function), except a module.
+    tainted, dependent = set(), set()
+    for i, cell in cells:
+        n = names[i]
+        if solution.get(cell.get("id")) != cell.source or n is None or n["reads"] & tainted:
+            dependent.add(i)
+            if n is not None:
+                tainted |= changes[i] | (n["reads"] - modules)
+    # backward: keep the dependent cells and whatever they (transitively) need
+    needed, keep = set(), []
+    for i, cell in reversed(cells):
+        n = names[i]
+        if n is None or i in dependent or changes[i] & needed:
+            keep.append(i)
+            if n is not None:
+                needed = (needed - n["kills"]) | n["reads"]
+    return [cell.get("id") for i, cell in cells if i in keep]
 
 
 def solution_paths(names=()):

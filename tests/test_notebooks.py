@@ -123,3 +123,44 @@ def test_every_exercise_has_a_hint_and_a_stored_solution(name):
 def test_solution_code_strips_markers():
     source = "def f(x):\n    # BEGIN SOLUTION\n    return x\n    # END SOLUTION\nanswer = 3  # SOLUTION"
     assert notebooks.solution_code(source) == "def f(x):\n    return x\nanswer = 3"
+
+
+def _pair(*sources):
+    """A solution notebook from cell sources, and its student version."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s, id=f"c{i}") for i, s in enumerate(sources)]
+    nb = set_header(nb, "solutions", "x.ipynb")
+    return nb, make_student(nb, "x.ipynb")
+
+
+def test_student_run_keeps_what_depends_on_a_stub_and_what_feeds_it():
+    solution, student = _pair(
+        "import torch\nimport course",                          # c0: needed by c3 and c5
+        "results = course.launch(job, 2)\nassert results",      # c1: a demo nothing depends on
+        "assert torch.equal(results[0], results[1])",           # c2: reads only c1's result
+        "model = torch.nn.Linear(2, 2)",                        # c3: feeds the payoff cell
+        "def f(m):\n    # BEGIN SOLUTION\n    return m\n    # END SOLUTION",  # c4: the exercise
+        "out = f(model)",                                       # c5: payoff: uses the stub
+        "print(model.weight.sum())",                            # c6: model may have been changed by f
+        "print(torch.ones(1))",                                 # c7: independent
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c3", "c4", "c5", "c6"]
+
+
+def test_student_run_keeps_mutations_and_unparsable_cells():
+    solution, student = _pair(
+        "import torch\nmodel = torch.nn.Linear(2, 2)",
+        "model.eval()",                     # changes model, which the payoff cell reads
+        "x = 1",                            # overwritten before anyone reads it
+        "x = 2",
+        "x +* 2",                           # cannot be analysed: always run
+        "answer = 3  # SOLUTION",
+        "print(answer, model.training, x)",
+    )
+    kept = notebooks.student_cells_to_run(solution, student)
+    assert kept == ["c0", "c1", "c3", "c4", "c5", "c6"]
+
+
+def test_student_run_of_a_notebook_without_exercises_is_empty():
+    solution, student = _pair("import torch", "print(torch.ones(2))")
+    assert notebooks.student_cells_to_run(solution, student) == []
