@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,7 +15,7 @@ CASES = {
     "allreduce_bandwidth.py": (["--quick", "--out", "{tmp}"], "busbw GB/s"),
     "ddp_step_vs_bucket.py": (["--quick", "--out", "{tmp}"], "bucket_cap_mb=0.25"),
     "tracer_overhead.py": (["--quick"], "traced ms/step"),
-    "notebook_times.py": (["--only", "solutions/01_"], "solutions/01_single_device.ipynb"),
+    "notebook_times.py": (["{tmp}/tiny.ipynb"], "tiny.ipynb"),
 }
 
 
@@ -27,9 +28,27 @@ def test_every_benchmark_script_is_smoke_tested():
 def test_benchmark_runs_and_prints_its_table(script, tmp_path):
     args, expected = CASES[script]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    tiny = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1 + 1)", outputs=[nbformat.v4.new_output("stream", text="2\n")])])
+    nbformat.write(tiny, tmp_path / "tiny.ipynb")
     done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert expected in done.stdout
     assert "torch " in done.stdout.splitlines()[1]  # the header names the torch version
     if "--out" in args:
         assert list(tmp_path.glob("*.png"))
+
+
+def test_notebook_times_sums_the_cells_of_each_file(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from notebook_times import seconds_per_file
+
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="solutions.02_x.ipynb" name="Cell 0" time="1.5"/>'
+        '<testcase classname="solutions.02_x.ipynb" name="Cell 1" time="2.0"/>'
+        '<testcase classname="notebooks.02_x.ipynb" name="Cell 0" time="0.25"/>'
+        '<testcase classname="tests.test_launcher" name="test_a" time="3.0"/>'
+        "</testsuite></testsuites>"
+    )
+    assert seconds_per_file(report) == {"solutions/02_x.ipynb": 3.5, "notebooks/02_x.ipynb": 0.25, "tests.test_launcher": 3.0}
