@@ -1,0 +1,221 @@
+"""Checks for notebook 12 (tensor parallelism)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course import tensor_parallel as tp
+from course import tracing
+from course.exercises import correct, exercise, wrong
+from course.launcher import launch
+
+IN, OUT, BATCH = 8, 6, 4
+
+
+def _row_parallel_run(rank, world_size, forward, backward):
+    class RowParallelLinearFn(torch.autograd.Function):
+        pass
+
+    RowParallelLinearFn.forward = staticmethod(forward)
+    RowParallelLinearFn.backward = staticmethod(backward)
+
+    torch.manual_seed(0)
+    full = nn.Linear(IN, OUT, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)  # the same x and upstream gradient on every rank (one layer)
+    x = torch.randn(BATCH, IN, generator=g, dtype=torch.float64)
+    upstream = torch.randn(BATCH, OUT, generator=g, dtype=torch.float64)
+    x_full = x.clone().requires_grad_()
+    (full(x_full) * upstream).sum().backward()
+
+    x_local = x.chunk(world_size, 1)[rank].clone().requires_grad_()
+    w_local = full.weight.detach().chunk(world_size, 1)[rank].clone().requires_grad_()
+    bias = full.bias.detach().clone().requires_grad_()
+    y = RowParallelLinearFn.apply(x_local, w_local, bias)
+    if not isinstance(y, torch.Tensor) or y.shape != (BATCH, OUT):
+        return {"bad_output": repr(type(y)) if not isinstance(y, torch.Tensor) else str(tuple(y.shape))}
+    (y * upstream).sum().backward()
+    grads = [x_local.grad, w_local.grad, bias.grad]
+    refs = [x_full.grad.chunk(world_size, 1)[rank], full.weight.grad.chunk(world_size, 1)[rank], full.bias.grad]
+    return {
+        "y": y.detach(),
+        "y_ref": full(x).detach(),
+        "partial": (x_local @ w_local.T).detach(),
+        "bias": full.bias.detach(),
+        "grads": [None if g is None else g.detach() for g in grads],
+        "refs": refs,
+    }
+
+
+def _close(a, b):
+    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+@exercise(
+    "Exercise 1 (row_parallel)",
+    hint="forward: this rank's partial product, summed over the ranks, plus the bias once; "
+    "backward: every rank already holds the whole ∂L/∂y, so each gradient is one local matrix product.",
+)
+def row_parallel(forward, backward, world_size=2):
+    """Exercise 1: a row-parallel linear layer as one autograd Function (forward and backward)."""
+    results = launch(_row_parallel_run, world_size, forward, backward, show=None, timeout=60)
+    r = results[0]
+    if "bad_output" in r:
+        return wrong(f"forward must return the layer's output, a ({BATCH}, {OUT}) tensor; it returned {r['bad_output']}.")
+    n = world_size
+    if not _close(r["y"], r["y_ref"]):
+        if all(_close(q["y"], q["partial"]) or _close(q["y"], q["partial"] + q["bias"]) for q in results):
+            return wrong("each rank returned only its own partial product: sum the ranks' partial outputs with dist.all_reduce.")
+        if _close(r["y"], r["y_ref"] + (n - 1) * r["bias"]):
+            return wrong(f"the bias was added on every rank before the all-reduce, so it is counted {n} times: add it once, after the sum.")
+        if _close(r["y"], r["y_ref"] - r["bias"]):
+            return wrong("the output is missing the bias: add it (once, after the all-reduce).")
+        return wrong("the output differs from the unsplit layer's x @ W.T + b.")
+    if not all(_close(q["y"], r["y"]) for q in results):
+        return wrong("the ranks returned different outputs: after the all-reduce every rank must hold the whole output.")
+    names = ["x_local", "w_local", "bias"]
+    for q in results:
+        for name, grad, ref in zip(names, q["grads"], q["refs"]):
+            if grad is None:
+                return wrong(f"backward returned None for {name}: return one gradient per input of forward (x_local, w_local, bias).")
+            if _close(grad, n * ref):
+                return wrong(
+                    f"the gradient of {name} is {n}× too large: backward must not all-reduce — "
+                    "∂L/∂y is already the same whole tensor on every rank."
+                )
+            if not _close(grad, ref):
+                return wrong(f"the gradient of {name} is wrong; with y = x_local @ w_local.T + b: "
+                             "∂L/∂x_local = g @ w_local, ∂L/∂w_local = g.T @ x_local, ∂L/∂b = g summed over the batch.")
+    return correct(f"{world_size} ranks: the output and all three gradients equal the unsplit layer's.")
+
+
+# ------------------------------------------------------------------ Exercise 2: predict the all-reduces
+
+
+def _tp_step(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(tp.ParallelMLP(tp.MLP(8, 16)) for _ in range(2)))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)  # data: does not require grad
+    tracing.clear()
+    tracing.mark("forward")
+    loss = nn.functional.mse_loss(model(x), y)
+    tracing.mark("backward")
+    loss.backward()
+    tracing.wait_all()
+    return tracing.events()
+
+
+def traced_tp_step():
+    """One training step of two Megatron MLP blocks (8 -> 16 -> 8) on 2 ranks, batch 4,
+    traced: {"forward": [bytes of each all_reduce], "backward": [...]} from rank 0's trace."""
+    events = launch(_tp_step, 2, backend="traced", show=None, timeout=60)[0]
+    phases, phase = {"forward": [], "backward": []}, None
+    for e in events:
+        if isinstance(e, tracing.Mark):
+            phase = e.label
+        elif e.op == "all_reduce":
+            phases[phase].append(e.bytes)
+    return phases
+
+
+@exercise(
+    "Exercise 2 (tp_all_reduces)",
+    hint="f (all-reduce in backward) sits at each block's entrance, g (all-reduce in forward) at its exit; "
+    "ask which tensors autograd needs a gradient for, and what shape g sums.",
+)
+def tp_all_reduces(forward_all_reduces, backward_all_reduces, bytes_per_all_reduce):
+    """Exercise 2: predict, then compare with a traced run."""
+    answers = (forward_all_reduces, backward_all_reduces, bytes_per_all_reduce)
+    if not all(isinstance(a, int) and not isinstance(a, bool) for a in answers):
+        return wrong("give three whole numbers.")
+    traced = traced_tp_step()
+    forward, backward = len(traced["forward"]), len(traced["backward"])
+    size = traced["forward"][0]
+    if forward_all_reduces != forward:
+        if forward_all_reduces == 2 * forward:
+            return wrong("a column-parallel layer needs no communication in forward: each rank has the whole input. Only g, after the row-parallel layer, all-reduces.")
+        return wrong("count the g's: one at the exit of each block.")
+    if backward_all_reduces != backward:
+        if backward_all_reduces == forward:
+            return wrong("the first block's f gets the data as input, and the data does not require grad: autograd never runs a backward it does not need.")
+        if backward_all_reduces == 0:
+            return wrong("f all-reduces in backward: a block's input gradient is a sum of the ranks' contributions.")
+        return wrong("count the f's whose input needs a gradient.")
+    if bytes_per_all_reduce != size:
+        if bytes_per_all_reduce == 2 * size:
+            return wrong("the hidden activation (16 features) never leaves its rank: g sums the row-parallel layer's output, 8 features per sample.")
+        if bytes_per_all_reduce == size // 2:
+            return wrong("each rank hands the all-reduce its whole partial output (all 8 features), not half of it.")
+        return wrong("g sums the block's output: batch × features × 4 bytes (float32).")
+    return correct(f"traced: {forward} all-reduces in forward and {backward} in backward, {size} B each — activations, not weights.")
+
+
+# ------------------------------------------------------------------ Exercise 3: DTensor attention
+
+
+DIM, HEADS, SEQ = 8, 4, 5
+
+
+def _attention_run(rank, world_size, parallelize):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    full = tp.SelfAttention(DIM, HEADS).double()
+    mesh = init_device_mesh("cpu", (world_size,))
+    block = parallelize(copy.deepcopy(full), mesh)
+    if not isinstance(block, nn.Module):
+        return {"not_module": repr(type(block))}
+    placements = {}
+    for name in ("q", "k", "v", "out"):
+        w = getattr(getattr(block, name, None), "weight", None)
+        placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
+    x = torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    upstream = torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (full(x_full) * upstream).sum().backward()
+    try:
+        y = block(x_part)
+        if isinstance(y, DTensor):
+            y = y.full_tensor()
+        (y * upstream).sum().backward()
+    except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
+        return {"placements": placements, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return {
+        "placements": placements,
+        "n_heads": getattr(block, "n_heads", None),
+        "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
+        "ok_grad": torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
+    }
+
+
+@exercise(
+    "Exercise 3 (tensor_parallel_attention)",
+    hint="give each rank whole heads: q, k and v split their output features, out splits its input features; "
+    "then the block must know how many heads it holds now.",
+)
+def tensor_parallel_attention(parallelize, world_size=2):
+    """Exercise 3: split an attention block's heads with parallelize_module."""
+    results = launch(_attention_run, world_size, parallelize, show=None, timeout=60)
+    r = results[0]
+    if "not_module" in r:
+        return wrong(f"return the block (parallelize_module returns it); got {r['not_module']}.")
+    p = r["placements"]
+    if any(p[name] == "plain" for name in p):
+        plain = [name for name in p if p[name] == "plain"]
+        return wrong(f"{', '.join(plain)} still hold whole weights: every projection needs a style in the plan.")
+    if any(p[name] != "Shard(dim=0)" for name in ("q", "k", "v")):
+        return wrong("q, k and v must split their *output* features (whole heads per rank): ColwiseParallel.")
+    if p["out"] != "Shard(dim=1)":
+        return wrong("out must combine the heads, which are split across ranks along its *input* features: RowwiseParallel.")
+    if "error" in r:
+        return wrong(f"the block failed: {r['error']}")
+    if r["n_heads"] == HEADS and not r["ok_output"]:
+        return wrong(f"each rank now computes {HEADS // world_size} of the {HEADS} heads, but the block still "
+                     f"splits its features into {HEADS} heads (of half the size): set block.n_heads.")
+    if not r["ok_output"]:
+        return wrong("the output differs from the unsplit block's.")
+    if not all(q["ok_grad"] for q in results):
+        return wrong("the output is right but the input gradient is not.")
+    return correct(f"{HEADS} heads over {world_size} ranks: the output and the input gradient equal the unsplit block's.")

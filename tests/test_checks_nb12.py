@@ -1,0 +1,162 @@
+"""Notebook 12's checks reject plausible wrong answers with a specific hint."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.checks import nb12
+
+# ------------------------------------------------------------------ Exercise 1: row-parallel Function
+
+
+def _forward(ctx, x_local, w_local, bias):
+    ctx.save_for_backward(x_local, w_local)
+    y = x_local @ w_local.T
+    dist.all_reduce(y)
+    return y + bias
+
+
+def _backward(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0)
+
+
+def _forward_no_all_reduce(ctx, x_local, w_local, bias):
+    ctx.save_for_backward(x_local, w_local)
+    return x_local @ w_local.T + bias
+
+
+def _forward_bias_on_every_rank(ctx, x_local, w_local, bias):
+    ctx.save_for_backward(x_local, w_local)
+    y = x_local @ w_local.T + bias
+    dist.all_reduce(y)
+    return y
+
+
+def _forward_no_bias(ctx, x_local, w_local, bias):
+    ctx.save_for_backward(x_local, w_local)
+    y = x_local @ w_local.T
+    dist.all_reduce(y)
+    return y
+
+
+def _forward_returns_nothing(ctx, x_local, w_local, bias):
+    ctx.save_for_backward(x_local, w_local)
+    dist.all_reduce(x_local @ w_local.T)
+
+
+def _backward_all_reduces(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    grad_y = grad_y.clone()
+    dist.all_reduce(grad_y)
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0)
+
+
+def _backward_no_bias_grad(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    return grad_y @ w_local, grad_y.T @ x_local, None
+
+
+def _backward_bias_grad_shared_out(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0) / dist.get_world_size()
+
+
+def _backward_transposed_weight_grad(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    return grad_y @ w_local, x_local.T @ grad_y, grad_y.sum(0)
+
+
+def _backward_wrong_input_grad(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    return grad_y @ w_local * 0.5, grad_y.T @ x_local, grad_y.sum(0)
+
+
+@pytest.mark.parametrize(
+    "forward, backward, hint",
+    [
+        (_forward_no_all_reduce, _backward, "only its own partial product"),
+        (_forward_bias_on_every_rank, _backward, "counted 2 times"),
+        (_forward_no_bias, _backward, "missing the bias"),
+        (_forward_returns_nothing, _backward, "it returned <class 'NoneType'>"),
+        (_forward, _backward_all_reduces, "backward must not all-reduce"),
+        (_forward, _backward_no_bias_grad, "returned None for bias"),
+        (_forward, _backward_bias_grad_shared_out, "gradient of bias is wrong"),
+        (_forward, _backward_transposed_weight_grad, "a rank failed"),
+        (_forward, _backward_wrong_input_grad, "gradient of x_local is wrong"),
+    ],
+)
+def test_row_parallel_rejects_wrong_answers(forward, backward, hint):
+    feedback = nb12.row_parallel(forward, backward)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_row_parallel_accepts_the_reference_on_4_ranks_too():
+    assert nb12.row_parallel(_forward, _backward, world_size=4).status == "correct"
+
+
+# ------------------------------------------------------------------ Exercise 2: predict the all-reduces
+
+
+def test_the_traced_step_is_what_exercise_2_expects():
+    assert nb12.traced_tp_step() == {"forward": [128, 128], "backward": [128]}
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        ((4, 1, 128), "no communication in forward"),
+        ((1, 1, 128), "one at the exit of each block"),
+        ((2, 2, 128), "does not require grad"),
+        ((2, 0, 128), "f all-reduces in backward"),
+        ((2, 1, 256), "never leaves its rank"),
+        ((2, 1, 64), "not half of it"),
+        ((2, 1, 2240), "batch × features"),
+        ((2, 1, 128.0), "three whole numbers"),
+    ],
+)
+def test_tp_all_reduces_rejects_wrong_answers(answer, hint):
+    feedback = nb12.tp_all_reduces(*answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3: DTensor attention
+
+
+def _plan(q, k, v, out, set_heads=True, returns=True):
+    def parallelize(block, mesh):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = {name: style() for name, style in zip(("q", "k", "v", "out"), (q, k, v, out)) if style}
+        parallelize_module(block, mesh, plan)
+        if set_heads:
+            block.n_heads //= mesh.size()
+        return block if returns else None
+
+    return parallelize
+
+
+def _styles():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel
+
+
+def test_tensor_parallel_attention_rejects_wrong_answers():
+    col, row = _styles()
+    cases = [
+        (_plan(col, col, col, row, set_heads=False), "set block.n_heads"),
+        (_plan(col, col, col, col), "RowwiseParallel"),
+        (_plan(row, row, row, row), "ColwiseParallel"),
+        (_plan(col, col, col, None), "out still hold whole weights"),
+        (_plan(col, None, col, row), "k still hold"),
+        (_plan(col, col, col, row, returns=False), "return the block"),
+    ]
+    for answer, hint in cases:
+        feedback = nb12.tensor_parallel_attention(answer)
+        assert feedback.status == "wrong" and hint in feedback.message, (hint, feedback)
+
+
+def test_tensor_parallel_attention_accepts_a_correct_plan_on_4_ranks():
+    col, row = _styles()
+    assert nb12.tensor_parallel_attention(_plan(col, col, col, row), world_size=4).status == "correct"
