@@ -166,6 +166,6 @@ def plot_schedule(logs, ax, title="", unit=""):
             ax.broken_barh([(start - origin, end - start)], (s - 0.4, 0.8), facecolors=color, edgecolor="black", linewidth=0.5)
             ax.text(start - origin + (end - start) / 2, s, f"{kind}{i}", ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(logs)), [f"stage {s}" for s in range(len(logs))])
-    ax.invert_yaxis()
+    ax.set_ylim(len(logs) - 0.5, -0.5)  # stage 0 on top
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=10)
