@@ -78,6 +78,7 @@ def test_one_f_one_b_rejects_wrong_answers(answer, hint):
         (8 * 2048, "bits, not bytes"),
         (1000, "for every micro-batch"),
         (2048.5, "whole number"),
+        (float("inf"), "whole number"),
         ("2048", "whole number"),
     ],
 )
