@@ -174,16 +174,15 @@ def _plausible_mistakes(world_size=4):
     hint="P = 3,340 values in 4 tensors, 4 bytes each; Adam: 2 values per parameter value + a 4-byte step per "
     "tensor it updates. ZeRO-1 shards only Adam's state (over a flat, padded vector); FSDP2 shards each tensor by rows.",
 )
-def bytes_per_rank(predicted):
+def bytes_per_rank(stage0, stage1, stage3):
     """Exercise 2: rank 0's bytes of parameters, gradients and optimizer state for stages 0, 1 and 3."""
-    if not isinstance(predicted, dict) or sorted(predicted) != list(STAGES):
-        return wrong("give a dict with the keys 0, 1 and 3 (the ZeRO stages), as in the cell.")
+    predicted = {0: stage0, 1: stage1, 3: stage3}
     for stage in STAGES:
         entry = predicted[stage]
         if not isinstance(entry, dict) or sorted(entry) != sorted(KINDS):
-            return wrong(f"predicted[{stage}] must be a dict with the keys {list(KINDS)}.")
+            return wrong(f"stage{stage} must be a dict with the keys {list(KINDS)}.")
         if not all(isinstance(entry[k], (int, float)) and not isinstance(entry[k], bool) for k in KINDS):
-            return wrong(f"predicted[{stage}] must hold numbers of bytes.")
+            return wrong(f"stage{stage} must hold numbers of bytes.")
     truth = measured_bytes()
     off = [(stage, kind) for stage in STAGES for kind in KINDS if predicted[stage][kind] != truth[stage][kind]]
     if not off:
