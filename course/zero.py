@@ -1,0 +1,47 @@
+"""ZeRO stage 1 by hand: every rank keeps the optimizer state of one slice of the
+parameters only. Notebook 11 derives these functions (a test checks they are the same code).
+
+    shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=1e-3)
+    for x, y in batches:
+        model.zero_grad()
+        loss(model(x), y).backward()        # plain backward: no DDP, no hooks
+        zero1_step(model, shard, optimizer)  # reduce-scatter, Adam on the shard, all-gather
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def flat_padded(tensors, world_size: int) -> torch.Tensor:
+    """The tensors as one flat vector, zero-padded to a multiple of ``world_size``."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return nn.functional.pad(flat, (0, -flat.numel() % world_size))
+
+
+def zero1_setup(model, optimizer_class, **options):
+    """This rank's slice of the flat parameters, and an optimizer that knows only it."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    flat = flat_padded(model.parameters(), world_size)
+    shard = nn.Parameter(flat.chunk(world_size)[rank].clone())
+    return shard, optimizer_class([shard], **options)
+
+
+def zero1_step(model, shard, optimizer):
+    """After backward: average the gradients into this rank's slice (reduce-scatter),
+    update the slice, and give every rank every updated slice (all-gather)."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grad_shard = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad_shard, grads)  # the sum over ranks, of my slice only
+    shard.grad = grad_shard / world_size
+    optimizer.step()
+    flat = torch.empty_like(grads)
+    dist.all_gather_into_tensor(flat, shard.detach())  # every rank's updated slice
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()

@@ -1,0 +1,174 @@
+"""Notebook 11's checks reject plausible wrong answers with a useful hint."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course.checks import nb11
+from course.zero import flat_padded
+
+# ------------------------------------------------------------------ Exercise 1 (zero1_step)
+
+
+def _copy_back(model, flat):
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _gather(model, shard, like):
+    flat = torch.empty_like(like)
+    dist.all_gather_into_tensor(flat, shard.detach())
+    _copy_back(model, flat)
+
+
+def _no_division(model, shard, optimizer):
+    grads = flat_padded([p.grad for p in model.parameters()], dist.get_world_size())
+    shard.grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(shard.grad, grads)
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _no_gather(model, shard, optimizer):
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grad_shard = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad_shard, grads)
+    shard.grad = grad_shard / world_size
+    optimizer.step()
+    old = flat_padded(model.parameters(), world_size)
+    old.chunk(world_size)[dist.get_rank()].copy_(shard.detach())  # only my slice: the others stay stale
+    _copy_back(model, old)
+
+
+def _all_reduce(model, shard, optimizer):
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.all_reduce(grads)
+    shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _never_sets_grad(model, shard, optimizer):
+    optimizer.step()
+
+
+def _gathers_the_gradient(model, shard, optimizer):
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grad_shard = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad_shard, grads)
+    shard.grad = grad_shard / world_size
+    optimizer.step()
+    _gather(model, shard.grad, grads)
+
+
+def _wrong_slice(model, shard, optimizer):
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.all_reduce(grads)
+    shard.grad = grads.chunk(world_size)[world_size - 1 - dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _crashes(model, shard, optimizer):
+    raise KeyError("oops")
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_no_division, "divide by the world size"),
+        (_no_gather, "all_gather the updated shards"),
+        (_all_reduce, "you used all_reduce"),
+        (_never_sets_grad, "shard.grad is None"),
+        (_gathers_the_gradient, "the weights differ from DDP + Adam"),
+        (_wrong_slice, "not this rank's slice"),
+        (_crashes, "KeyError"),
+    ],
+)
+def test_zero1_step_rejects_wrong_answers(answer, hint):
+    feedback = nb11.zero1_step(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 2 (bytes_per_rank)
+
+RIGHT = {
+    0: {"parameters": 13360, "gradients": 13360, "optimizer": 26736},
+    1: {"parameters": 13360, "gradients": 13360, "optimizer": 6684},
+    3: {"parameters": 3604, "gradients": 3604, "optimizer": 7224},
+}
+
+
+def _with(stage, kind, value):
+    answer = copy.deepcopy(RIGHT)
+    answer[stage][kind] = value
+    return answer
+
+
+def test_bytes_per_rank_answer_is_what_a_real_run_measures():
+    assert nb11.measured_bytes() == RIGHT
+    assert nb11.bytes_per_rank(*RIGHT.values()).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_with(0, "optimizer", 13376), "*two* tensors per parameter"),  # one moment only
+        (_with(3, "optimizer", 3620), "*two* tensors per parameter"),
+        (_with(0, "optimizer", 26720), "count Adam's `step` too"),
+        (_with(1, "optimizer", 6680), "count Adam's `step` too"),
+        (_with(1, "optimizer", 6696), "one step counter"),
+        (_with(1, "parameters", 3340), "ZeRO-1 shards only the optimizer state"),
+        (_with(1, "gradients", 3340), "ZeRO-1 keeps the full gradients"),
+        (_with(0, "parameters", 3340), "DDP replicates everything"),
+        (_with(3, "parameters", 3340), "round up per tensor"),  # P / N: forgets the padding of uneven shards
+        (_with(3, "optimizer", 6696), "round up per tensor"),
+        (_with(3, "gradients", 13360), "reduce-scatters the gradients"),
+        (_with(3, "parameters", 3604.5), "whole numbers"),
+        (_with(3, "parameters", 3.52), "not KiB"),
+        (_with(3, "parameters", 999), "1 of the 9 numbers are off, the first: stage 3, parameters"),
+        ({**RIGHT, 3: [3604, 3604, 7224]}, "stage3 must be a dict with the keys"),
+        ({**RIGHT, 3: {"parameters": 1}}, "stage3 must be a dict with the keys"),
+        (_with(0, "gradients", "13360"), "numbers of bytes"),
+    ],
+)
+def test_bytes_per_rank_rejects_wrong_answers(answer, hint):
+    feedback = nb11.bytes_per_rank(*answer.values())
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3 (checkpoint_sequential)
+
+
+def test_checkpoint_sequential_counts_are_measured():
+    assert nb11.checkpoint_sequential_counts() == ([2, 2, 1, 1], 320.0)
+
+
+@pytest.mark.parametrize(
+    "calls, kib, hint",
+    [
+        ([2, 2, 2, 2], 320, "the last segment is never checkpointed"),
+        ([2, 2, 2, 1], 320, "len(model) // segments = 1"),
+        ([1, 1, 1, 1], 320, "runs its forward again"),
+        ([2, 1, 2, 1], 320, "all segments but the last"),
+        ([2, 2, 1, 1], 576, "without any checkpointing"),
+        ([2, 2, 1, 1], 64, "the last segment saves everything"),
+        ([2, 2, 1, 1], 192, "the last segment has two blocks"),
+        ([2, 2, 1, 1], 300, "Tensors shared between blocks count once"),
+        ([2, 2, 1], 320, "4 of them"),
+        ("two", 320, "a list of 4 whole numbers"),
+    ],
+)
+def test_checkpoint_sequential_rejects_wrong_answers(calls, kib, hint):
+    feedback = nb11.checkpoint_sequential(calls, kib)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
