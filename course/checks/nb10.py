@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import collectives, tracing
-from course.exercises import correct, exercise, wrong
+from course.exercises import correct, exercise, is_stub, todo, wrong
 from course.launcher import WorkerError, WorkerTimeoutError, launch
 
 PREDICT_RANKS = 4
@@ -227,6 +227,8 @@ def overlap_per_parameter(cls):
     """Exercise 3: a DP that starts one async all-reduce per gradient from a hook, and waits in finish()."""
     if not isinstance(cls, type):
         return wrong("write a class `OverlapPerParameter` with __init__(self, model) and finish(self).")
+    if all(is_stub(getattr(cls, name, None)) for name in ("__init__", "finish")):
+        return todo()
     result = launch(_run_overlap, 2, cls, show=None, timeout=60)[0]
     if result["launched"] == 0:
         return wrong("no dist.all_reduce was called: start one for each gradient, from a hook registered on each parameter.")
