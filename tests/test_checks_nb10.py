@@ -97,6 +97,17 @@ def _chunk_instead_of_tensor_split(tensor):
         req.wait()
 
 
+def _assigns_into_the_tuple(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = _split(tensor)
+    for step in range(n - 1):
+        received = torch.empty_like(parts[(rank - 2 - step) % n])
+        req = dist.isend(parts[(rank - 1 - step) % n], (rank + 1) % n)
+        dist.recv(received, (rank - 1) % n)
+        req.wait()
+        parts[(rank - 2 - step) % n] += received  # TypeError: tensor_split returns a tuple
+
+
 def _blocking_sends(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     received = torch.empty_like(tensor)
@@ -114,6 +125,7 @@ def _blocking_sends(tensor):
         (_naive, "rank 0 sent 8,008 bytes for a 4,004-byte tensor"),
         (_uses_all_reduce, "send and recv only; your function also called all_reduce"),
         (_chunk_instead_of_tensor_split, "torch.tensor_split always returns N"),
+        (_assigns_into_the_tuple, "change a chunk in place"),
         (_blocking_sends, "waited forever in a send"),
         (42, "write a function"),
     ],

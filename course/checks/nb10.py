@@ -103,6 +103,11 @@ def ring_all_reduce(fn, timeout=60):
                         f"a rank failed with N = {world_size}: {failure}. Did you cut the tensor with tensor.chunk? It can "
                         "return fewer than N chunks (torch.arange(1).chunk(2) has one); torch.tensor_split always returns N."
                     )
+                if "'tuple' object does not support item assignment" in failure:
+                    return wrong(
+                        f"a rank failed: {failure}. torch.tensor_split returns a tuple of views: change a chunk in place "
+                        "(chunk.add_(received), chunk.copy_(...)) instead of assigning to chunks[i]."
+                    )
                 raise
             if any("send" in stack for stack in e.stacks.values()):
                 return wrong(
