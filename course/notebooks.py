@@ -244,7 +244,7 @@ def exercise_solutions(nb) -> dict:
             names = re.findall(r"\b([A-Za-z_]\w*)\b", call["args"])
             defines = [
                 src for src in marked
-                if any(re.search(rf"^(def {n}\(|{n}\s*(,[^=]*)?=)", src, re.M) for n in names)
+                if any(re.search(rf"^(def {n}\(|class {n}\b|{n}\s*(,[^=]*)?=)", src, re.M) for n in names)
             ]
             if defines:
                 found[call["exercise"]] = "\n\n".join(solution_code(src) for src in defines)

@@ -1,0 +1,257 @@
+"""Checks for notebook 10 (data parallelism from scratch: collectives by hand, then your own DDP)."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course import collectives, tracing
+from course.exercises import correct, exercise, is_stub, todo, wrong
+from course.launcher import WorkerError, WorkerTimeoutError, launch
+
+PREDICT_RANKS = 4
+PREDICT_NUMEL = 250_000  # float32: 1,000,000 bytes
+
+
+def _bytes_of_both(rank, world_size, numel):
+    sent = []
+    for all_reduce in (collectives.naive_all_reduce, collectives.ring_all_reduce):
+        collectives.reset_counts()
+        all_reduce(torch.ones(numel))
+        sent.append(collectives.bytes_sent())
+    return sent
+
+
+@exercise(
+    "Exercise 1 (predict the bytes)",
+    hint="naive: rank 0 sends the whole tensor to each of the other ranks. Ring: 2(N-1) steps, and at each step every rank sends one chunk, 1/N of the tensor.",
+)
+def predicted_bytes(naive_rank0, ring_per_rank):
+    """Exercise 1: bytes rank 0 sends in the naive all-reduce, and each rank in the ring, for 1 MB on 4 ranks."""
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in (naive_rank0, ring_per_rank)):
+        return wrong("answer with two numbers of bytes, e.g. 1_000_000.")
+    measured = launch(_bytes_of_both, PREDICT_RANKS, PREDICT_NUMEL, show=None, timeout=60)
+    naive, ring = measured[0][0], measured[0][1]
+    size = 4 * PREDICT_NUMEL
+    assert all(r[1] == ring for r in measured)
+    if naive_rank0 != naive:
+        if naive_rank0 == size:
+            return wrong("rank 0 sends the sum back to *each* of the other 3 ranks, not once.")
+        if naive_rank0 == 2 * naive:
+            return wrong("count only what rank 0 sends: what it receives is what the others send.")
+        return wrong("in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them.")
+    if ring_per_rank == ring:
+        return correct(
+            f"measured: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
+            f"2(N-1)/N = {ring / size} times the tensor."
+        )
+    if ring_per_rank == ring / 2:
+        return wrong("that is only the reduce-scatter: the finished chunks still have to go around once more (all-gather).")
+    if ring_per_rank == 2 * (PREDICT_RANKS - 1) * size:
+        return wrong("in the ring a rank never sends the whole tensor: each step it sends one chunk, a quarter of it.")
+    if ring_per_rank == 2 * size:
+        return wrong("close: count the steps. Each phase takes N - 1 steps, not N.")
+    return wrong("the ring has 2(N - 1) steps, and at each step every rank sends one chunk, 1/N of the tensor.")
+
+
+# ------------------------------------------------------------------ Exercise 2: the ring all-reduce
+
+RING_RANKS = (2, 3)
+RING_SIZES = (1001, 7, 2, 1)  # large, uneven, shorter than the world size (the large one is judged first)
+
+
+def _values(rank, n):
+    # Integer values: any order of additions gives exactly the same float32 sum.
+    g = torch.Generator().manual_seed(10 * n + rank)
+    return torch.randint(-100, 100, (n,), generator=g).float()
+
+
+def _run_ring(rank, world_size, fn):
+    out = []
+    for n in RING_SIZES:
+        x = _values(rank, n)
+        original = x.clone()
+        tracing.clear()
+        returned = fn(x)
+        ops = [e.op for e in tracing.collectives()]
+        sent = sum(e.bytes for e in tracing.collectives() if e.op == "send")
+        returned = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
+        out.append({"n": n, "in": original, "after": x.clone(), "returned": returned, "ops": ops, "sent": sent})
+    return out
+
+
+def _expected(world_size, n):
+    return sum(_values(rank, n) for rank in range(world_size))
+
+
+@exercise(
+    "Exercise 2 (ring all-reduce)",
+    hint="cut the tensor with torch.tensor_split(tensor, N) (views, so adding into them changes the tensor); reduce-scatter for N - 1 steps (isend one chunk right, recv one from the left, add it into your copy of that chunk), then all-gather for N - 1 steps (pass the finished chunks on, copying instead of adding).",
+)
+def ring_all_reduce(fn, timeout=60):
+    """Exercise 2: sum a tensor over all ranks, in place, with a ring of sends and receives."""
+    if not callable(fn):
+        return wrong("write a function `ring_all_reduce(tensor)`.")
+    for world_size in RING_RANKS:
+        try:
+            results = launch(_run_ring, world_size, fn, backend="traced", show=None, timeout=timeout)
+        except WorkerError as e:
+            if not isinstance(e, WorkerTimeoutError):
+                failure = e.failed.get(e.rank, str(e))
+                if "IndexError" in failure:
+                    return wrong(
+                        f"a rank failed with N = {world_size}: {failure}. Did you cut the tensor with tensor.chunk? It can "
+                        "return fewer than N chunks (torch.arange(1).chunk(2) has one); torch.tensor_split always returns N."
+                    )
+                if "'tuple' object does not support item assignment" in failure:
+                    return wrong(
+                        f"a rank failed: {failure}. torch.tensor_split returns a tuple of views: change a chunk in place "
+                        "(chunk.add_(received), chunk.copy_(...)) instead of assigning to chunks[i]."
+                    )
+                raise
+            if any("send" in stack for stack in e.stacks.values()):
+                return wrong(
+                    f"with {world_size} ranks every rank waited forever in a send: gloo's send returns only once the "
+                    "receiver has posted its recv, so if everyone sends first, nobody receives. Start the send with "
+                    "dist.isend (or collectives.isend), then recv, then wait() for the send."
+                )
+            return wrong(f"with {world_size} ranks some ranks waited forever: every send needs a matching recv of the same size on the neighbour.")
+        for rows in zip(*results):  # the same size on every rank
+            n = rows[0]["n"]
+            expected = _expected(world_size, n)
+            others = sorted({op for row in rows for op in row["ops"]} - {"send", "recv"})
+            if others:
+                return wrong(f"build it from send and recv only; your function also called {', '.join(others)}.")
+            where = f"(N = {world_size} ranks, a tensor of {n} elements)"
+            if all(torch.equal(r["in"], r["after"]) for r in rows) and all(
+                r["returned"] is not None and torch.equal(r["returned"], expected) for r in rows
+            ):
+                return wrong(f"the sums are right but the tensor you were given is unchanged {where}: like dist.all_reduce, work in place.")
+            if all(torch.allclose(r["after"], expected / world_size) for r in rows) and n > 1:
+                return wrong(f"those are averages {where}: all_reduce's default is a sum; don't divide.")
+            if not all(torch.equal(r["after"], expected) for r in rows):
+                right = [(r["after"] == expected).float().mean().item() for r in rows]
+                if n >= 100 and all(abs(f - 1 / world_size) < 0.05 for f in right):
+                    return wrong(
+                        f"each rank has the full sum of just one chunk {where}: that is the reduce-scatter. "
+                        "Now pass the finished chunks around the ring once more (all-gather), copying instead of adding."
+                    )
+                return wrong(
+                    f"some sums are wrong {where}. At each step a rank must add what it receives into the same chunk "
+                    "its left neighbour sent; write down for N = 3 which chunk each rank sends at each step."
+                )
+            size = 4 * n
+            limit = 4 * 2 * (world_size - 1) * -(-n // world_size)
+            for rank, row in enumerate(rows):
+                if row["sent"] > limit:
+                    return wrong(
+                        f"the sums are right, but rank {rank} sent {row['sent']:,} bytes for a {size:,}-byte tensor {where}. "
+                        f"In a ring every rank sends only one chunk (1/N of the tensor) per step, 2(N - 1) steps: at most "
+                        f"{limit:,} bytes here."
+                    )
+    return correct("the sums of dist.all_reduce on 2 and 3 ranks, for lengths 1001, 7, 2 and 1, with a ring's bytes per rank.")
+
+
+# ------------------------------------------------------------------ Exercise 3: overlap per parameter
+
+
+def exercise_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+class _Watched:
+    """An all-reduce's Work, which notes whether someone waited for it."""
+
+    def __init__(self, work, log):
+        self.work, self.log = work, log
+
+    def wait(self, *args, **kwargs):
+        self.log["waited"] += 1
+        return self.work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self.log["waited"] += 1  # fut.wait() or .then(...): the caller takes care of the result
+        return self.work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _run_overlap(rank, world_size, cls, steps=3):
+    data = torch.Generator().manual_seed(rank)  # each rank its own data
+    batches = [(torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)) for _ in range(steps)]
+
+    def train(model, forward, finish):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        grads = None
+        for x, y in batches:
+            state["in backward"] = True
+            nn.functional.mse_loss(forward(x), y).backward()
+            state["in backward"] = False
+            finish()
+            grads = grads or [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        return grads, [p.detach().clone() for p in model.parameters()]
+
+    state = {"in backward": False, "launched": 0, "waited": 0, "problem": None}
+    reference = exercise_model()
+    ddp = DDP(reference)
+    expected_grads, expected = train(reference, ddp, lambda: None)
+
+    real_all_reduce = dist.all_reduce
+
+    def watched_all_reduce(tensor, *args, async_op=False, **kwargs):
+        if not state["in backward"]:
+            state["problem"] = state["problem"] or "after backward"
+        elif not async_op:
+            state["problem"] = state["problem"] or "synchronous"
+        state["launched"] += 1
+        work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
+        return _Watched(work, state) if async_op else work
+
+    dist.all_reduce = watched_all_reduce
+    try:
+        model = exercise_model()
+        dp = cls(model)
+        grads, weights = train(model, model, dp.finish)
+    finally:
+        dist.all_reduce = real_all_reduce
+    n_params = len(list(model.parameters()))
+    return {"grads": grads, "expected_grads": expected_grads, "weights": weights, "expected": expected,
+            "problem": state["problem"], "launched": state["launched"], "waited": state["waited"],
+            "per_step": n_params * steps}
+
+
+@exercise(
+    "Exercise 3 (overlap per parameter)",
+    hint="in __init__, p.register_post_accumulate_grad_hook(self.grad_ready) for every parameter; in the hook, divide p.grad by the world size and keep the handle of dist.all_reduce(p.grad, async_op=True); in finish(), wait() for each handle and forget them.",
+)
+def overlap_per_parameter(cls):
+    """Exercise 3: a DP that starts one async all-reduce per gradient from a hook, and waits in finish()."""
+    if not isinstance(cls, type):
+        return wrong("write a class `OverlapPerParameter` with __init__(self, model) and finish(self).")
+    if all(is_stub(getattr(cls, name, None)) for name in ("__init__", "finish")):
+        return todo()
+    result = launch(_run_overlap, 2, cls, show=None, timeout=60)[0]
+    if result["launched"] == 0:
+        return wrong("no dist.all_reduce was called: start one for each gradient, from a hook registered on each parameter.")
+    if result["problem"] == "after backward":
+        return wrong("the all-reduces started after backward had returned: start them from a hook "
+                     "(p.register_post_accumulate_grad_hook), while backward is still running.")
+    if result["problem"] == "synchronous":
+        return wrong("pass async_op=True: a blocking all_reduce inside the hook stops backward until it is done, so nothing overlaps.")
+    if result["launched"] != result["per_step"]:
+        return wrong(f"expected one all-reduce per parameter per step ({result['per_step']} in 3 steps), "
+                     f"got {result['launched']}: register the hook once per parameter.")
+    if result["waited"] < result["launched"]:
+        return wrong("finish() must wait() for every all-reduce before the optimizer uses the gradients; "
+                     "a gradient still being all-reduced may be half-summed.")
+    got, expected = torch.cat([g.flatten() for g in result["grads"]]), torch.cat([g.flatten() for g in result["expected_grads"]])
+    if torch.allclose(got, 2 * expected, atol=1e-6):
+        return wrong("all_reduce sums: divide each gradient by the world size to average it.")
+    if not (torch.allclose(got, expected, atol=1e-6) and all(
+            torch.allclose(a, b, atol=1e-6) for a, b in zip(result["weights"], result["expected"]))):
+        return wrong("the gradients differ from DDP's: all-reduce p.grad itself (in place) and average it.")
+    return correct("one async all-reduce per gradient, started during backward; after 3 steps the same weights as DDP.")

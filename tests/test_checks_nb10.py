@@ -1,0 +1,225 @@
+"""Notebook 10's checks reject plausible wrong answers with a useful hint."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course import collectives
+from course.checks import nb10
+
+
+@pytest.mark.parametrize(
+    "naive, ring, hint",
+    [
+        (1_000_000, 1_500_000, "to *each* of the other 3 ranks"),
+        (6_000_000, 1_500_000, "count only what rank 0 sends"),
+        (3_000_000, 750_000, "only the reduce-scatter"),
+        (3_000_000, 6_000_000, "never sends the whole tensor"),
+        (3_000_000, 2_000_000, "Each phase takes N - 1 steps"),
+        (3_000_000, 1_000_000, "2(N - 1) steps"),
+        ("3 MB", 1_500_000, "two numbers"),
+    ],
+)
+def test_predicted_bytes_rejects_wrong_answers(naive, ring, hint):
+    feedback = nb10.predicted_bytes(naive, ring)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ plausible wrong ring all-reduces
+
+
+def _split(tensor):
+    return torch.tensor_split(tensor, dist.get_world_size())
+
+
+def _reduce_scatter_only(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = _split(tensor)
+    for step in range(n - 1):
+        received = torch.empty_like(parts[(rank - 2 - step) % n])
+        req = dist.isend(parts[(rank - 1 - step) % n], (rank + 1) % n)
+        dist.recv(received, (rank - 1) % n)
+        req.wait()
+        parts[(rank - 2 - step) % n].add_(received)
+
+
+def _ring(tensor, add_index=lambda rank, step, n: (rank - 2 - step) % n):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = _split(tensor)
+    for step in range(n - 1):
+        send_i, recv_i = (rank - 1 - step) % n, add_index(rank, step, n)
+        received = torch.empty_like(parts[(rank - 2 - step) % n])
+        req = dist.isend(parts[send_i], (rank + 1) % n)
+        dist.recv(received, (rank - 1) % n)
+        req.wait()
+        parts[recv_i][: len(received)].add_(received[: len(parts[recv_i])])
+    for step in range(n - 1):
+        req = dist.isend(parts[(rank - step) % n], (rank + 1) % n)
+        dist.recv(parts[(rank - 1 - step) % n], (rank - 1) % n)
+        req.wait()
+
+
+def _wrong_chunk(tensor):
+    _ring(tensor, add_index=lambda rank, step, n: (rank - 1 - step) % n)  # adds into the chunk it just sent
+
+
+def _averages(tensor):
+    _ring(tensor)
+    tensor /= dist.get_world_size()
+
+
+def _out_of_place(tensor):
+    result = tensor.clone()
+    _ring(result)
+    return result
+
+
+def _naive(tensor):
+    collectives.naive_all_reduce(tensor)
+
+
+def _uses_all_reduce(tensor):
+    dist.all_reduce(tensor)
+
+
+def _chunk_instead_of_tensor_split(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = tensor.chunk(n)
+    for step in range(n - 1):
+        received = torch.empty_like(parts[(rank - 2 - step) % n])
+        req = dist.isend(parts[(rank - 1 - step) % n], (rank + 1) % n)
+        dist.recv(received, (rank - 1) % n)
+        req.wait()
+        parts[(rank - 2 - step) % n].add_(received)
+    for step in range(n - 1):
+        req = dist.isend(parts[(rank - step) % n], (rank + 1) % n)
+        dist.recv(parts[(rank - 1 - step) % n], (rank - 1) % n)
+        req.wait()
+
+
+def _assigns_into_the_tuple(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = _split(tensor)
+    for step in range(n - 1):
+        received = torch.empty_like(parts[(rank - 2 - step) % n])
+        req = dist.isend(parts[(rank - 1 - step) % n], (rank + 1) % n)
+        dist.recv(received, (rank - 1) % n)
+        req.wait()
+        parts[(rank - 2 - step) % n] += received  # TypeError: tensor_split returns a tuple
+
+
+def _blocking_sends(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    received = torch.empty_like(tensor)
+    dist.send(tensor, (rank + 1) % n)  # everyone sends first: nobody receives
+    dist.recv(received, (rank - 1) % n)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_reduce_scatter_only, "that is the reduce-scatter"),
+        (_wrong_chunk, "some sums are wrong"),
+        (_averages, "those are averages"),
+        (_out_of_place, "work in place"),
+        (_naive, "rank 0 sent 8,008 bytes for a 4,004-byte tensor"),
+        (_uses_all_reduce, "send and recv only; your function also called all_reduce"),
+        (_chunk_instead_of_tensor_split, "torch.tensor_split always returns N"),
+        (_assigns_into_the_tuple, "change a chunk in place"),
+        (_blocking_sends, "waited forever in a send"),
+        (42, "write a function"),
+    ],
+)
+def test_ring_all_reduce_rejects_wrong_answers(answer, hint):
+    feedback = nb10.ring_all_reduce(answer, timeout=20)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_ring_all_reduce_accepts_the_packages_ring():
+    assert nb10.ring_all_reduce(collectives.ring_all_reduce).status == "correct"
+
+
+# ------------------------------------------------------------------ plausible wrong overlapped DPs
+
+
+class _AfterBackward:
+    def __init__(self, model):
+        self.model = model
+
+    def finish(self):
+        for p in self.model.parameters():
+            p.grad /= dist.get_world_size()
+            dist.all_reduce(p.grad)
+
+
+class _Blocking:
+    def __init__(self, model):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        dist.all_reduce(p.grad)
+
+    def finish(self):
+        pass
+
+
+class _NoWait:
+    def __init__(self, model):
+        self.pending = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        self.pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    def finish(self):
+        self.pending.clear()
+
+
+class _NoAverage(_NoWait):
+    def grad_ready(self, p):
+        self.pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    def finish(self):
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class _HookTwice(_NoAverage):
+    def __init__(self, model):
+        super().__init__(model)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+
+class _OnlyWeights(_NoAverage):
+    def __init__(self, model):
+        self.pending = []
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        self.pending.append(dist.all_reduce(p.grad, async_op=True))
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_AfterBackward, "started after backward had returned"),
+        (_Blocking, "pass async_op=True"),
+        (_NoWait, "must wait() for every all-reduce"),
+        (_NoAverage, "divide each gradient by the world size"),
+        (_HookTwice, "register the hook once per parameter"),
+        (_OnlyWeights, "one all-reduce per parameter per step"),
+        ("OverlapPerParameter", "write a class"),
+    ],
+)
+def test_overlap_per_parameter_rejects_wrong_answers(answer, hint):
+    feedback = nb10.overlap_per_parameter(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
