@@ -72,9 +72,9 @@ def _first_below_anywhere():
 def stop_together(fn):
     """Exercise 2: early stopping that stops every rank at the same step, without a hang."""
     try:
-        results = launch(_job, 2, fn, show=None, timeout=15)
+        results = launch(_job, 2, fn, show=None, timeout=10)
     except WorkerTimeoutError as e:
-        return wrong(f"rank(s) {e.ranks} still waited after 15 s: a rank that stops alone leaves the others in "
+        return wrong(f"rank(s) {e.ranks} still waited after 10 s: a rank that stops alone leaves the others in "
                      "backward's all_reduce. Every rank must take the decision together.")
     steps = [r[0] for r in results]
     if steps[0] != steps[1]:
