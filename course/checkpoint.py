@@ -30,9 +30,11 @@ Why each piece (notebook 07 demonstrates every point):
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
+import signal
 import sys
 import tempfile
 import warnings
@@ -76,6 +78,23 @@ def save_checkpoint(state: dict, path) -> Path:
         raise
     _fsync_folder(folder)  # make the rename itself survive a power cut
     return path
+
+
+def die_halfway(real_save):
+    """For crash experiments: a ``torch.save`` that writes the first half of the bytes, flushes
+    them, and then SIGKILLs its own process, as a machine going down mid-save would.
+    Install it in one worker only: ``torch.save = die_halfway(torch.save)``."""
+
+    def save(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        data = buffer.getvalue()
+        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
+        out.write(data[: len(data) // 2])
+        out.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of the save
+
+    return save
 
 
 def _fsync_folder(folder: Path):

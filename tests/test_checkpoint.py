@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.checks.nb07 import _dying_save  # torch.save that dies halfway
+from course.checkpoint import die_halfway  # torch.save that dies halfway
 from course.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -143,7 +143,7 @@ def test_unwrap():
 
 
 def _save_and_get_killed(rank, world_size, path, atomic):
-    torch.save = _dying_save(torch.save)  # in this process only
+    torch.save = die_halfway(torch.save)  # in this process only
     state = {"step": 2, "weights": torch.full((500_000,), 2.0)}
     if atomic:
         save_checkpoint(state, path)
@@ -370,3 +370,37 @@ def test_training_state_gathers_every_ranks_rng_and_drops_the_module_prefix():
         assert torch.equal(state["rng"][0]["torch"], states[0]["rng"][0]["torch"])
     torch.manual_seed(101)
     assert torch.equal(states[0]["rng"][1]["torch"], torch.get_rng_state())  # rank 1's own state
+
+
+def test_save_checkpoint_follows_the_notebooks_atomic_save():
+    """Notebook 07's exercise derives atomic_save; save_checkpoint is that recipe: same steps, same order."""
+    import inspect
+
+    from course.checkpoint import save_checkpoint
+    from course.exercises import solutions
+
+    steps = ["tempfile.mkstemp(dir=", "os.fdopen(fd, \"wb\")", "torch.save(", ".flush()", "os.fsync(f.fileno())", "os.replace(tmp, path)"]
+    for code in (solutions()["07"]["atomic_save"], inspect.getsource(save_checkpoint)):
+        code = code[code.index("mkstemp") - len("tempfile."):]  # from the first step on (past the docstring)
+        position = 0
+        for step in steps:
+            assert step in code[position:], (step, code)
+            position = code.index(step, position) + len(step)
+
+
+def test_die_halfway_leaves_half_a_file(tmp_path):
+    """The crash stand-in notebook 07 and its check use: half the bytes, then SIGKILL."""
+    import io
+
+    from course import WorkerError, launch
+    from course.checkpoint import die_halfway
+
+    def job(rank, world_size, path):
+        torch.save = die_halfway(torch.save)
+        torch.save({"w": torch.ones(10_000)}, path)
+
+    full = io.BytesIO()
+    torch.save({"w": torch.ones(10_000)}, full)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        launch(job, 1, str(tmp_path / "x.pt"), show=None, timeout=60)
+    assert (tmp_path / "x.pt").stat().st_size == len(full.getvalue()) // 2

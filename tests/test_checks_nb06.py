@@ -77,32 +77,59 @@ def test_global_mean_var_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-# ------------------------------------------------------------------ Exercise 2: running_stats
+def _float32_naive(x):
+    # the loophole: Σx²/n - mean² in the input's dtype, right in float64, wrong for float32 with a large mean
+    total, total_sq, n = _sums(x)
+    mean = total / n
+    return mean, total_sq / n - mean * mean
 
 
-def _momentum_swapped(running_mean, running_var, mean, var, n, momentum):
-    return momentum * running_mean + (1 - momentum) * mean, momentum * running_var + (1 - momentum) * var * n / (n - 1)
+def test_global_mean_var_rejects_the_float32_naive_formula():
+    feedback = nb06.global_mean_var(_float32_naive)
+    assert feedback.status == "wrong" and "float32" in feedback.message and "float64" in feedback.message, feedback
 
 
-def _biased(running_mean, running_var, mean, var, n, momentum):
-    return (1 - momentum) * running_mean + momentum * mean, (1 - momentum) * running_var + momentum * var
+# ------------------------------------------------------------------ Exercise 2: predict_running_means
 
 
-def _replaces(running_mean, running_var, mean, var, n, momentum):
-    return mean, var * n / (n - 1)
+def _independent(batches, momentum):
+    running = [torch.zeros(3) for _ in batches]
+    for step in range(len(batches[0])):
+        running = [(1 - momentum) * r + momentum * b[step].mean(0) for r, b in zip(running, batches)]
+    return running
+
+
+def _broadcast_after(batches, momentum):
+    return [r.clone() for r in [_independent(batches, momentum)[0]] * len(batches)]
+
+
+def _synchronised(batches, momentum):
+    running = torch.zeros(3)
+    for step in range(len(batches[0])):
+        running = (1 - momentum) * running + momentum * torch.cat([b[step] for b in batches]).mean(0)
+    return [running.clone() for _ in batches]
+
+
+def _momentum_swapped(batches, momentum):
+    running = [torch.zeros(3) for _ in batches]
+    for step in range(len(batches[0])):
+        running = [running[0].clone() for _ in batches]
+        running = [momentum * r + (1 - momentum) * b[step].mean(0) for r, b in zip(running, batches)]
+    return running
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_momentum_swapped, "weight of the *new* batch"),
-        (_biased, "unbiased"),
-        (_replaces, "(1 - momentum) * running_mean"),
-        (lambda *args: 0.5, "return the pair"),
+        (_independent, "start of every training forward"),
+        (_broadcast_after, "the ranks do not end equal"),
+        (_synchronised, "never sees the other ranks' samples"),
+        (_momentum_swapped, "running_mean ← (1 - momentum)"),
+        (lambda batches, momentum: [torch.zeros(3)], "one running_mean of shape"),
     ],
 )
-def test_running_stats_rejects_wrong_answers(answer, hint):
-    feedback = nb06.running_stats(answer)
+def test_predict_running_means_rejects_wrong_answers(answer, hint):
+    feedback = nb06.predict_running_means(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 

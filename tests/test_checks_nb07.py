@@ -147,3 +147,27 @@ def test_atomic_save_check_restores_what_it_patched():
     nb07.atomic_save(_no_fsync)
     nb07.atomic_save(lambda obj, path: 1 / 0)
     assert (torch.save, os.fsync, os.replace, os.rename) == originals
+
+
+def _fsync_before_flush(obj, path):
+    # the loophole: fsync writes to disk what the OS has; Python's buffer is flushed only afterwards
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        os.fsync(f.fileno())
+        f.flush()
+    os.replace(tmp, path)
+
+
+def _fsync_without_flush(obj, path):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        os.fsync(f.fileno())  # the close() after it flushes, too late for the fsync
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("answer", [_fsync_before_flush, _fsync_without_flush])
+def test_atomic_save_rejects_fsync_before_flush(answer):
+    feedback = nb07.atomic_save(answer)
+    assert feedback.status == "wrong" and "f.flush() first" in feedback.message, feedback

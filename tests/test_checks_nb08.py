@@ -3,8 +3,6 @@
 import sys
 
 import pytest
-import torch
-from torch import nn
 
 from course.checks import nb08
 
@@ -79,63 +77,25 @@ def test_two_node_commands_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-# ------------------------------------------------------------------ Exercise 2: predict the skipped collective
+# ------------------------------------------------------------------ Exercise 2: the old --local_rank script
 
 
-@pytest.mark.parametrize("answer, hint", [(30.0, "by order"), (20, "did complete"), (3.0, "by order"),
-                                          ("twenty", "one number")])
-def test_skipped_collective_rejects_wrong_answers(answer, hint):
-    feedback = nb08.skipped_collective(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
-
-
-def test_skipped_collective_accepts_a_tensor():
-    assert nb08.skipped_collective(torch.tensor([21.0])).status == "correct"
-
-
-# ------------------------------------------------------------------ Exercise 3: Join
-
-
-def _no_join(model, optimizer, batches):
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return len(batches)
-
-
-def _stop_at_the_shortest(model, optimizer, batches):
-    import torch.distributed as dist
-
-    n = torch.tensor(len(batches))
-    dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    for x, y in batches[: int(n)]:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return int(n)
-
-
-def _join_without_step(model, optimizer, batches):
-    from torch.distributed.algorithms.join import Join
-
-    with Join([model]):
-        for x, y in batches:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-    return len(batches)
-
-
-def _crashes(model, optimizer, batches):
-    raise ValueError("typo")
-
-
-@pytest.mark.parametrize("answer, hint", [
-    (_no_join, "with Join([model])"),
-    (_stop_at_the_shortest, "all of its batches"),
-    (_join_without_step, "optimizer.step()"),
-    (_crashes, "a rank failed: ValueError: typo"),
+@pytest.mark.parametrize("prediction, hint", [
+    ({"torch.distributed.launch": [0, 1], "torchrun": [0, 0]}, "unrecognized arguments"),
+    ({"torch.distributed.launch": "error", "torchrun": [0, 1]}, "passes no --local_rank argument"),
+    ({"torch.distributed.launch": "error", "torchrun": "error"}, "argparse is happy"),
+    ({"torch.distributed.launch": "error", "torchrun": 0}, "give \"error\" or the list"),
+    ({"torchrun": [0, 0]}, "give a dict with the keys"),
 ])
-def test_train_with_join_rejects_wrong_answers(answer, hint):
-    feedback = nb08.train_with_join(answer)
+def test_old_script_rejects_wrong_predictions(prediction, hint):
+    feedback = nb08.old_script(prediction)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_old_script_accepts_tuples():
+    assert nb08.old_script({"torch.distributed.launch": "error", "torchrun": (0, 0)}).status == "correct"
+
+
+def test_old_script_outcome_comes_from_torchs_own_argument_building():
+    assert nb08._argv_from("torch.distributed.launch", 1)[0] == "--local-rank=1"
+    assert not any("local" in a for a in nb08._argv_from("torchrun", 1))

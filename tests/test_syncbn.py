@@ -299,3 +299,26 @@ def test_ddp_with_converted_model_matches_single_process_large_batch_training():
     # The same DDP run with plain BatchNorm does not match: the test can tell the difference.
     plain = launch(_ddp_job, WORLD, False, show=None, timeout=60)[0]
     assert not torch.allclose(plain["0.weight"], expected["0.weight"], rtol=1e-4, atol=1e-6)
+
+
+def _notebook_and_package(rank, world_size, code, batches):
+    from course import syncbn
+
+    namespace = {"torch": torch, "dist": dist, "nn": nn}
+    exec(code, namespace)  # notebook 06's solution of Exercise 1
+    mine = batches[rank]
+    mean, var = namespace["global_mean_var"](mine.clone())
+    package_mean, package_var, _ = syncbn.global_mean_var(mine.clone())
+    return mean, var, package_mean, package_var
+
+
+def test_package_global_mean_var_is_the_notebooks():
+    """Notebook 06's Exercise 1 derives global_mean_var; course.syncbn's is the same computation."""
+    from course.exercises import solutions
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, shift in ((torch.float64, 0.0), (torch.float32, 10_000.0)):
+        batches = [(torch.randn(n, CHANNELS, generator=g, dtype=torch.float64) + shift + r).to(dtype) for r, n in enumerate((5, 1, 10))]
+        for mean, var, package_mean, package_var in launch(_notebook_and_package, 3, solutions()["06"]["global_mean_var"], batches, show=None, timeout=60):
+            assert torch.allclose(mean.double(), package_mean, rtol=1e-12, atol=1e-9)
+            assert torch.allclose(var.double(), package_var, rtol=1e-9, atol=1e-9)

@@ -16,8 +16,31 @@ def _rank_batches(sizes=SIZES, channels=CHANNELS, seed=6):
     return [torch.randn(n, channels, generator=g, dtype=torch.float64) * (1 + r) + 3 * r for r, n in enumerate(sizes)]
 
 
-def _run_mean_var(rank, world_size, fn):
-    x = _rank_batches()[rank]
+def _float32_batches(sizes=SIZES, channels=CHANNELS, seed=7):
+    """float32 batches whose mean (about 10,000) is large compared with their spread (about 1):
+    here Σx²/n - mean² computed in float32 is off by more than the variance itself."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, channels, generator=g, dtype=torch.float64) + 10_000 + r).float() for r, n in enumerate(sizes)]
+
+
+def _float32_hint(fn):
+    """None if ``fn`` is accurate on float32 batches with a large mean, else a hint."""
+    batches = _float32_batches()
+    results = launch(_run_mean_var, len(SIZES), fn, batches, show=None, timeout=30)
+    if isinstance(results[0], str):
+        return f"with float32 input your function returned {results[0]}"
+    var, mean = torch.var_mean(torch.cat(batches).double(), dim=0, unbiased=False)
+    got_mean, got_var = results[0]
+    if not torch.allclose(got_mean, mean, rtol=1e-6, atol=1e-6) or not torch.allclose(got_var, var, rtol=1e-4, atol=1e-4):
+        worst = (got_var - var).abs().max().item()
+        return ("right in float64, but on float32 batches with mean about 10,000 and spread about 1 your variance "
+                f"is off by {worst:.2g}: Σx²/n - mean² subtracts two nearly equal large numbers. Accumulate the sums "
+                "in float64 (x.double()) and convert back at the end.")
+    return None
+
+
+def _run_mean_var(rank, world_size, fn, batches=None):
+    x = (batches or _rank_batches())[rank]
     result = fn(x.clone())
     try:
         mean, var = result
@@ -58,39 +81,82 @@ def global_mean_var(fn):
         if _close(got_var, var):
             if not all(_close(m, mean) and _close(v, var) for m, v in results):
                 return wrong("rank 0 is right but some ranks are not: every rank must end with the same statistics.")
+            hint = _float32_hint(fn)
+            if hint:
+                return wrong(hint)
             return correct(f"ranks of {', '.join(map(str, SIZES))} samples agree with one process on all "
                                  f"{sum(SIZES)}.")
         return wrong("the mean is right; the biased variance is Σx²/n - mean², with Σx² summed over all ranks.")
     return wrong("mean = (Σx summed over ranks) / (count summed over ranks), per channel (dim 0).")
 
 
-@exercise("Exercise 2 (running_stats)", hint="running_var = (1 - momentum) * running_var + momentum * var * n / (n - 1).")
-def running_stats(fn):
-    """Exercise 2: update the running mean and variance like nn.BatchNorm does."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, CHANNELS, generator=g, dtype=torch.float64) * 2 + 1
-    for momentum in (0.1, 0.3):
-        bn = nn.BatchNorm1d(CHANNELS, momentum=momentum).double()
-        with torch.no_grad():
-            bn.running_mean.uniform_(-1, 1, generator=g)
-            bn.running_var.uniform_(0.5, 2, generator=g)
-        old_mean, old_var = bn.running_mean.clone(), bn.running_var.clone()
-        bn(x)
-        var, mean = torch.var_mean(x, dim=0, unbiased=False)
+def _step_batches(world_size, steps, seed):
+    """batches[rank][step]: 4 samples of 3 channels, each rank's from a differently shifted distribution."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(4, CHANNELS, generator=g) + 2 * rank for _ in range(steps)] for rank in range(world_size)]
+
+
+def _train_bn(rank, world_size, batches, momentum):
+    """Real DDP training of a lone BatchNorm1d with default options; every rank's running_mean at the end."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    bn = nn.BatchNorm1d(CHANNELS, momentum=momentum)
+    ddp = DDP(bn)
+    for x in batches[rank]:
+        (ddp(x) ** 2).sum().backward()
+    return bn.running_mean.clone()
+
+
+def _simulate(batches, momentum, broadcast_before=True, broadcast_after=False, global_stats=False):
+    world = len(batches)
+    running = [torch.zeros(CHANNELS) for _ in range(world)]
+    for step in range(len(batches[0])):
+        if broadcast_before:
+            running = [running[0].clone() for _ in range(world)]
+        if global_stats:
+            mean = torch.cat([b[step] for b in batches]).mean(0)
+            running = [(1 - momentum) * r + momentum * mean for r in running]
+        else:
+            running = [(1 - momentum) * r + momentum * b[step].mean(0) for r, b in zip(running, batches)]
+        if broadcast_after:
+            running = [running[0].clone() for _ in range(world)]
+    return running
+
+
+_PREDICT_CASES = [(2, 2, 0.1, 1), (3, 3, 0.3, 2)]  # (world size, steps, momentum, seed)
+
+
+@exercise("Exercise 2 (predict_running_means)", hint="DDP broadcasts rank 0's buffers at the *start* of each forward; then each rank's BatchNorm updates them with its own batch.")
+def predict_running_means(fn):
+    """Exercise 2: predict every rank's running_mean after DDP training with plain BatchNorm."""
+    for world_size, steps, momentum, seed in _PREDICT_CASES:
+        batches = _step_batches(world_size, steps, seed)
+        actual = launch(_train_bn, world_size, batches, momentum, show=None, timeout=60)
         try:
-            new_mean, new_var = fn(old_mean.clone(), old_var.clone(), mean, var, len(x), momentum)
-            new_mean, new_var = torch.as_tensor(new_mean).double(), torch.as_tensor(new_var).double()
-        except (TypeError, ValueError, RuntimeError):
-            return wrong("return the pair (new running_mean, new running_var).")
-        if not _close(new_mean, bn.running_mean):
-            if _close(new_mean, momentum * old_mean + (1 - momentum) * mean):
-                return wrong("momentum is the weight of the *new* batch: (1 - momentum) * old + momentum * new.")
-            return wrong("running_mean = (1 - momentum) * running_mean + momentum * batch mean.")
-        if _close(new_var, (1 - momentum) * old_var + momentum * var):
-            return wrong("the running variance uses the unbiased batch variance: var * n / (n - 1).")
-        if not _close(new_var, bn.running_var):
-            return wrong("running_var = (1 - momentum) * running_var + momentum * var * n / (n - 1).")
-    return correct("the same running statistics as nn.BatchNorm1d.")
+            got = [torch.as_tensor(t).detach().float() for t in fn([[x.clone() for x in b] for b in batches], momentum)]
+        except Exception as e:
+            return wrong(f"your function raised {type(e).__name__}: {e}")
+        if len(got) != world_size or any(t.shape != (CHANNELS,) for t in got):
+            return wrong(f"return one running_mean of shape ({CHANNELS},) per rank: a list of {world_size} tensors.")
+        if all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, actual)):
+            continue
+        where = f"({world_size} ranks, {steps} steps, momentum {momentum})"
+
+        def same(**kw):
+            return all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, _simulate(batches, momentum, **kw)))
+
+        if same(broadcast_before=False):
+            return wrong(f"{where} the ranks' running means are not independent: DDP broadcasts rank 0's buffers "
+                         "at the start of every training forward, so each rank starts each step from rank 0's values.")
+        if same(broadcast_before=False, broadcast_after=True) or same(broadcast_before=True, broadcast_after=True):
+            return wrong(f"{where} the ranks do not end equal: the broadcast happens at the *start* of a forward, "
+                         "and then every rank's BatchNorm updates the statistics with its own batch.")
+        if same(global_stats=True) or same(broadcast_before=False, global_stats=True):
+            return wrong(f"{where} plain BatchNorm under DDP never sees the other ranks' samples: each rank updates "
+                         "with the mean of its own batch (only a synchronised BatchNorm uses the global batch).")
+        return wrong(f"{where} running_mean ← (1 - momentum) · running_mean + momentum · (this rank's batch mean), "
+                     "starting from zeros; and mind when DDP's buffer broadcast happens.")
+    return correct("every rank's running_mean, predicted exactly as two real DDP runs ended.")
 
 
 def _bn_autograd(x, weight, upstream, eps):

@@ -2,7 +2,6 @@
 
 import io
 import os
-import signal
 import tempfile
 import warnings
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from course.checkpoint import die_halfway
 from course.exercises import correct, exercise, wrong
 from course.launcher import WorkerError, launch
 
@@ -60,23 +60,8 @@ def strip_module_prefix(fn):
 # ------------------------------------------------------------------ Exercise 2
 
 
-def _dying_save(real_save):
-    """A torch.save that writes half the bytes, then the process is SIGKILLed."""
-
-    def save(obj, f, *args, **kwargs):
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        data = buffer.getvalue()
-        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
-        out.write(data[: len(data) // 2])
-        out.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return save
-
-
 def _save_and_die(rank, world_size, fn, obj, path):
-    torch.save = _dying_save(torch.save)  # only in this process
+    torch.save = die_halfway(torch.save)  # only in this process
     fn(obj, path)
     return "returned"
 
@@ -102,12 +87,21 @@ def atomic_save(fn):
         real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
 
         def recording_save(obj, f, *args, **kwargs):
+            # Writes like any buffered writer: into the file object, without flushing it (torch.save
+            # happens to flush; code that relies on that breaks with the next writer).
             targets.append(_target(f))
-            return real["save"](obj, f, *args, **kwargs)
+            if isinstance(f, (str, os.PathLike)):
+                return real["save"](obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real["save"](obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue())
 
         def recording(kind):
             def call(*args, **kwargs):
-                (fsyncs if kind == "fsync" else renames).append(args)
+                if kind == "fsync":  # how many bytes had reached the OS when fsync ran
+                    fsyncs.append(os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None)
+                else:
+                    renames.append(args)
                 return real[kind](*args, **kwargs)
 
             return call
@@ -148,6 +142,9 @@ def atomic_save(fn):
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
+        if path.stat().st_size not in fsyncs:
+            return wrong("os.fsync ran before all the bytes had left Python's buffer: f.flush() first (Python -> OS), "
+                         "then os.fsync(f.fileno()) (OS -> disk). fsync only writes what the OS already has.")
         try:
             launch(_save_and_die, 1, fn, {"step": 3, "weight": torch.zeros(100_000)}, str(path), show=None, timeout=30)
         except WorkerError as e:

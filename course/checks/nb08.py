@@ -1,17 +1,11 @@
-"""Checks for notebook 08 (launchers, multi-node, elastic restarts, failures)."""
+"""Checks for notebook 08 (launchers, multi-node, elastic restarts)."""
 
 import contextlib
 import io
 import os
 import shlex
-import sys
-
-import torch
-import torch.distributed as dist
-from torch import nn
 
 from course.exercises import correct, exercise, wrong
-from course.launcher import WorkerTimeoutError, launch
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -98,89 +92,76 @@ def two_node_commands(fn):
 
 # ------------------------------------------------------------------ Exercise 2
 
+OLD_SCRIPT_PARSER = """
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=0)   # written for torch.distributed.launch, torch 1.x
+parser.add_argument("--epochs", type=int, default=1)
+"""
 
-@exercise("Exercise 2 (skipped collective)", hint="collectives are matched by order: pair rank 1's first all_reduce with rank 0's first.")
-def skipped_collective(answer):
-    """Exercise 2: what rank 1's ``b`` holds when rank 1 skipped the all_reduce of ``a``."""
+
+def _argv_from(launcher, local_rank):
+    """The arguments ``launcher`` gives the script of local rank ``local_rank``, as this torch builds them
+    (``config_from_args`` is what torchrun and torch.distributed.launch call before starting workers)."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    options = ["--nproc-per-node=2", "old.py", "--epochs", "3"]
+    if launcher == "torch.distributed.launch":
+        from torch.distributed import launch as legacy
+
+        args = legacy.parse_args(options)
+    else:
+        args = get_args_parser().parse_args(options)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = saved or "1"  # else config_from_args sets it, with a warning
     try:
-        value = float(torch.as_tensor(answer).item())
-    except (TypeError, ValueError, RuntimeError):
-        return wrong("give one number.")
-    if value == 21.0:
-        return correct("rank 1's first all_reduce met rank 0's first one, the one of `a`: 1 + 20.")
-    if value == 30.0:
-        return wrong("that is what a correct program gives. Collectives are not matched by variable "
-                           "name, but by order: rank 1's first all_reduce meets rank 0's first all_reduce.")
-    if value == 20.0:
-        return wrong("rank 1's all_reduce did complete, so it added something from rank 0: "
-                           "which of rank 0's two calls came first?")
-    return wrong("collectives are matched by order: pair rank 1's first all_reduce with rank 0's first.")
+        _, _, command_args = config_from_args(args)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+    script_args = command_args[command_args.index("old.py") + 1:]  # after the interpreter's own options
+    return [a.replace("${local_rank}", str(local_rank)) for a in script_args]
 
 
-# ------------------------------------------------------------------ Exercise 3
-
-SIZES = (5, 3)  # batches on rank 0 and on rank 1
-LR = 0.1
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Linear(4, 1)
-
-
-def _batches(rank):
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(SIZES[rank])]
-
-
-def _uneven_job(rank, world_size, fn):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    steps = fn(model, optimizer, _batches(rank))
-    return steps, {k: v.detach() for k, v in model.module.state_dict().items()}
+def old_script_outcome(launcher):
+    """"error" if the old script's argparse refuses what ``launcher`` passes, else [local rank of process 0, of process 1]."""
+    namespace = {}
+    exec(OLD_SCRIPT_PARSER, namespace)
+    parser = namespace["parser"]
+    used = []
+    for local_rank in (0, 1):
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            try:
+                used.append(parser.parse_args(_argv_from(launcher, local_rank)).local_rank)
+            except SystemExit:
+                return "error"
+    return used
 
 
-def expected_weights():
-    """One process, by hand: while both ranks have batches, the mean of their gradients; once
-    rank 1 has joined, Join's shadow all_reduce adds zeros for it and DDP still divides by 2."""
-    model = _model()
-    batches = [_batches(r) for r in range(2)]
-    for step in range(max(SIZES)):
-        grads = []
-        for rank in range(2):
-            model.zero_grad()
-            if step < SIZES[rank]:
-                x, y = batches[rank][step]
-                nn.functional.mse_loss(model(x), y).backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-            else:
-                grads.append([torch.zeros_like(p) for p in model.parameters()])
-        with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
-                p -= LR * (grads[0][i] + grads[1][i]) / 2
-    return model.state_dict()
+LAUNCHERS = ("torch.distributed.launch", "torchrun")
 
 
-@exercise("Exercise 3 (train_with_join)", hint="wrap the training loop in `with Join([model]):` so that a rank that ran out of batches shadows the others' all_reduces.")
-def train_with_join(fn):
-    """Exercise 3: a training loop that survives ranks with different numbers of batches."""
-    try:
-        results = launch(_uneven_job, 2, fn, show=None, timeout=10)
-    except WorkerTimeoutError as e:
-        return wrong(f"rank(s) {e.ranks} waited for the other rank in an all_reduce it never joined: put the "
-                           "loop inside `with Join([model]):` (from torch.distributed.algorithms.join).")
-    steps = [r[0] for r in results]
-    if steps != list(SIZES):
-        return wrong(f"each rank should train on all of its batches and return how many steps it took: "
-                           f"expected {list(SIZES)}, got {steps}.")
-    weights = [r[1] for r in results]
-    if not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]):
-        return wrong("the ranks ended with different weights: let DDP synchronise every step (Join does it "
-                           "for the ranks that ran out of batches).")
-    expected = expected_weights()
-    if not all(torch.allclose(weights[0][k], expected[k], atol=1e-6) for k in expected):
-        return wrong("the weights differ from what the same steps give: per batch, zero_grad, "
-                           "mse_loss(model(x), y).backward(), optimizer.step().")
-    return correct("rank 0 took 5 steps, rank 1 took 3, nobody hung, and the weights agree.")
+@exercise("Exercise 2 (old_script)", hint="read what each launcher passes: torch.distributed.launch adds --local-rank=N (with a dash) to the script's arguments; torchrun adds nothing and sets LOCAL_RANK.")
+def old_script(prediction):
+    """Exercise 2: what an old ``--local_rank`` script does under each launcher of this torch."""
+    if not isinstance(prediction, dict) or set(prediction) != set(LAUNCHERS):
+        return wrong(f"give a dict with the keys {list(LAUNCHERS)}.")
+    for launcher in LAUNCHERS:
+        got, actual = prediction[launcher], old_script_outcome(launcher)
+        if isinstance(got, tuple):
+            got = list(got)
+        if got == actual:
+            continue
+        if actual == "error":
+            return wrong(f"under {launcher} the script never starts training: the launcher passes "
+                         f"{_argv_from(launcher, 1)[0]!r} and argparse only knows '--local_rank' (an underscore): "
+                         "'unrecognized arguments'.")
+        if got == "error":
+            return wrong(f"under {launcher} argparse is happy: nothing unknown reaches it.")
+        if got == [0, 1]:
+            return wrong(f"{launcher} passes no --local_rank argument (it sets LOCAL_RANK): both processes keep "
+                         "the default, 0, and would both use cuda:0.")
+        return wrong(f"for {launcher}, give \"error\" or the list [local rank used by process 0, by process 1].")
+    return correct("torch.distributed.launch passes --local-rank=N, which the old parser refuses; torchrun passes "
+                   "nothing, so both processes use the default 0. Read LOCAL_RANK instead.")
