@@ -42,6 +42,10 @@ def setup_script(script, nproc=3):
         return wrong("give the script as a string (the text of the file torchrun runs).")
     if "✏️ your code here" in script and "init_process_group" not in script:
         return todo()
+    if "init_process_group(" not in script:
+        return wrong("every process must call dist.init_process_group(...) before its first collective.")
+    if "destroy_process_group(" not in script:
+        return wrong("end with dist.destroy_process_group(): it closes the connections before the process exits.")
     proc = run_with_torchrun(script, nproc)
     expected = {(r, nproc, nproc * (nproc + 1) / 2) for r in range(nproc)}
     found = set()
@@ -51,8 +55,8 @@ def setup_script(script, nproc=3):
         except ValueError:
             return wrong(f"print the sum as a number: `rank {rank} of {size}: sum {total}`.")
     if proc.returncode != 0:
-        error = (proc.stderr.strip().splitlines() or ["(no message)"])
-        reason = next((line for line in reversed(error) if "Error" in line), error[-1])
+        errors = re.findall(r"^\w+(?:Error|Exception): .*$", proc.stderr, re.M)  # the ranks' own exceptions
+        reason = errors[-1] if errors else (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         if "not been initialized" in proc.stderr or "init_process_group" in proc.stderr:
             return wrong(f"every process must call dist.init_process_group(...) before its first collective. ({reason.strip()})")
         return wrong(f"the script failed under torchrun: {reason.strip()}")
@@ -64,8 +68,6 @@ def setup_script(script, nproc=3):
         return wrong("each process printed its own number: all_reduce the tensor (every process calls it) before printing.")
     if found != expected:
         return wrong(f"expected one line per rank with the sum 1 + 2 + ... + {nproc}; got {sorted(found)}.")
-    if "destroy_process_group(" not in script:
-        return wrong("end with dist.destroy_process_group(): it closes the connections before the process exits.")
     return correct(f"{nproc} processes started by torchrun each set up the process group from the environment, "
                    "all-reduced, and tore it down.")
 
