@@ -101,6 +101,17 @@ def _percent(model, dataset):
     return loss / 10, 100 * accuracy
 
 
+def _everything_everywhere(model, dataset):  # the loophole: right numbers, no sharding, no communication
+    totals = _sums(model, dataset, range(len(dataset)))
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def _rank0_does_it_all(model, dataset):  # communicates, but does not share the work
+    totals = _sums(model, dataset, range(len(dataset))) if dist.get_rank() == 0 else torch.zeros(3, dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
 def _one_number(model, dataset):
     return 0.5
 
@@ -117,6 +128,8 @@ def _crashes(model, dataset):
         (_local_only, "different numbers"),
         (_loss_sum, "*mean* loss"),
         (_percent, "fraction between 0 and 1"),
+        (_everything_everywhere, "every rank ran the model on all 10 samples"),
+        (_rank0_does_it_all, "share the work evenly"),
         (_one_number, "return two numbers"),
         (_crashes, "a rank failed: RuntimeError: typo"),
     ],
