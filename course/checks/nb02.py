@@ -24,7 +24,9 @@ def run_with_torchrun(script: str, nproc: int, timeout: float = 120) -> subproce
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "script.py")
         path.write_text(script, encoding="utf-8")
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        # Without PYTHONUNBUFFERED each process writes its output in one piece (print() unbuffered writes
+        # the text and the newline separately, and the processes' lines could interleave).
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES + ("PYTHONUNBUFFERED",)}
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set anyway (it prints a banner when it has to)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
