@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from course.exercises import Feedback, is_stub
-from course.checks import nb01, nb02
 from course.notebooks import SOLUTIONS, make_student, solution_paths
 
 
@@ -67,110 +66,6 @@ def test_is_stub():
     assert is_stub(...) and is_stub(None) and is_stub(empty)
     assert not is_stub(attempt) and not is_stub(0) and not is_stub([])
     assert not is_stub(lambda sizes: 0.5) and not is_stub(lambda: "text")
-
-
-# ------------------------------------------------------------------ wrong answers, nb01
-
-
-def _mse_grad_over_batch_only(model, x, y):
-    error = model(x) - y
-    return 2 * error.T @ x / len(x)  # forgets the outputs in the mean
-
-
-def _sign_flipped(model, x, y):
-    error = y - model(x)
-    return 2 * error.T @ x / error.numel()
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [(_mse_grad_over_batch_only, "every element"), (_sign_flipped, "sign"), (lambda m, x, y: torch.zeros(3), "shaped")],
-)
-def test_weight_grad_rejects_wrong_answers(answer, hint):
-    feedback = nb01.weight_grad(answer)
-    assert feedback.status == "wrong" and hint in feedback.message
-
-
-def _chunk_grad_sum(model, x, y, n_chunks):
-    total = 0
-    for xc, yc in zip(x.chunk(n_chunks), y.chunk(n_chunks)):
-        model.zero_grad()
-        nn.functional.mse_loss(model(xc), yc).backward()
-        total = total + model.weight.grad.clone()
-    return total
-
-
-def _chunk_grad_accumulated(model, x, y, n_chunks):
-    model.zero_grad()  # forgets to zero between chunks: .grad accumulates
-    grads = []
-    for xc, yc in zip(x.chunk(n_chunks), y.chunk(n_chunks)):
-        nn.functional.mse_loss(model(xc), yc).backward()
-        grads.append(model.weight.grad.clone())
-    return torch.stack(grads).mean(0)
-
-
-@pytest.mark.parametrize("answer, hint", [(_chunk_grad_sum, "summed"), (_chunk_grad_accumulated, "zero the gradients")])
-def test_chunk_mean_grad_rejects_wrong_answers(answer, hint):
-    feedback = nb01.chunk_mean_grad(answer)
-    assert feedback.status == "wrong" and hint in feedback.message
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (lambda sizes: [1 / len(sizes)] * len(sizes), "equal weights"),
-        (lambda sizes: [s / max(sizes) for s in sizes], "more samples counts more"),
-        (lambda sizes: 0.5, "one number per chunk"),
-    ],
-)
-def test_chunk_weights_rejects_wrong_answers(answer, hint):
-    feedback = nb01.chunk_weights(answer)
-    assert feedback.status == "wrong" and hint in feedback.message
-
-
-# ------------------------------------------------------------------ wrong answers, nb02
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [([3.0, 4.0], "before"), ([2.5, 3.75], "SUM"), ([10.0, 16.0], "add up"), ("ten", "two numbers")],
-)
-def test_all_reduce_result_rejects_wrong_answers(answer, hint):
-    feedback = nb02.all_reduce_result(answer)
-    assert feedback.status == "wrong" and hint in feedback.message
-
-
-def _sum_only(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-
-
-def _local_only(model):
-    for p in model.parameters():
-        p.grad /= dist.get_world_size()
-
-
-def _weight_only(model):
-    dist.all_reduce(model.weight.grad)
-    model.weight.grad /= dist.get_world_size()
-
-
-def _crashes(model):
-    raise RuntimeError("typo")
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (_sum_only, "divide by the world size"),
-        (_local_only, "all_reduce"),
-        (_weight_only, "weight and bias"),
-        (_crashes, "a rank failed: RuntimeError: typo"),
-    ],
-)
-def test_average_gradients_rejects_wrong_answers(answer, hint):
-    feedback = nb02.average_gradients(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
 def test_exercise_wrapper_names_feedback_and_handles_stubs_and_failed_ranks():

@@ -101,6 +101,17 @@ def _percent(model, dataset):
     return loss / 10, 100 * accuracy
 
 
+def _everything_everywhere(model, dataset):  # the loophole: right numbers, no sharding, no communication
+    totals = _sums(model, dataset, range(len(dataset)))
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def _rank0_does_it_all(model, dataset):  # communicates, but does not share the work
+    totals = _sums(model, dataset, range(len(dataset))) if dist.get_rank() == 0 else torch.zeros(3, dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
 def _one_number(model, dataset):
     return 0.5
 
@@ -117,6 +128,8 @@ def _crashes(model, dataset):
         (_local_only, "different numbers"),
         (_loss_sum, "*mean* loss"),
         (_percent, "fraction between 0 and 1"),
+        (_everything_everywhere, "every rank ran the model on all 10 samples"),
+        (_rank0_does_it_all, "share the work evenly"),
         (_one_number, "return two numbers"),
         (_crashes, "a rank failed: RuntimeError: typo"),
     ],
@@ -135,3 +148,31 @@ def test_exercise_3_data_tells_the_mistakes_apart():
     padded = torch.tensor([i for r in range(3) for i in DistributedSampler(range(10), 3, r, shuffle=False)])
     naive = nb03._metrics(model, x[padded], y[padded])
     assert naive[1] == pytest.approx(8 / 12) and abs(naive[0] - exact[0]) > 0.1
+
+
+# ------------------------------------------------------------------ one copy of the code
+
+
+def test_the_notebooks_net_and_transform_are_the_ones_course_train_uses():
+    """Notebook 03 derives Net and the transform; course/train.py holds the same code (one copy each,
+    kept equal by this test). The notebook must not import them from the package."""
+    import inspect
+    import re
+
+    import nbformat
+
+    import course.train
+    from course.notebooks import SOLUTIONS
+
+    nb = nbformat.read(SOLUTIONS / "03_distributed_sampler.ipynb", as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert not any(re.search(r"course\.train|from course import train", src) for src in code)
+
+    net_cell = next(src for src in code if src.startswith("class Net(nn.Module):"))
+    end = next((m.start() for m in re.finditer(r"^\S", net_cell, re.M) if m.start() > 0), len(net_cell))
+    assert net_cell[:end].strip() == inspect.getsource(course.train.Net).strip()
+
+    transform_line = next(line for src in code for line in src.splitlines() if line.startswith("transform = "))
+    expression = transform_line.split("=", 1)[1].split("#")[0].strip()
+    assert expression.startswith("T.Compose(")
+    assert f"return {expression}" in inspect.getsource(course.train)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from course.checks import nb04
 
@@ -62,6 +63,25 @@ def _wrong_parameter_name(state, grads):
     return dist.all_reduce(grads.buffer(), async_op=True).get_future()
 
 
+def _sums_then_divides(process_group, bucket):  # right on ordinary gradients, overflows on huge ones
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer.to(torch.bfloat16), async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0] / dist.get_world_size())
+        return buffer
+
+    return fut.then(decompress)
+
+
+def _renamed_builtin(process_group, bucket):  # the built-in hook under another name
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _wrapped_allreduce(process_group, bucket):  # PyTorch's bf16 wrapper around its allreduce hook
+    return default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)(process_group, bucket)
+
+
 def _raises(process_group, bucket):
     raise ValueError("typo")
 
@@ -69,7 +89,11 @@ def _raises(process_group, bucket):
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_no_average, "divide by the world size"),
+        (_no_average, "divide by the world size to average"),
+        (_sums_then_divides, "*before* the all_reduce"),
+        (default_hooks.bf16_compress_hook, "PyTorch's own hook"),
+        (_renamed_builtin, "calls PyTorch's own hook"),
+        (_wrapped_allreduce, "calls PyTorch's own hook"),
         (_no_compression, "ran in float32: cast the bucket's buffer to torch.bfloat16"),
         (_fp16_instead, "ran in float16"),
         (_waits_and_returns_a_tensor, "DDP wants a torch.futures.Future back"),

@@ -24,7 +24,12 @@ def _autograd_weight_grad(model, x, y):
     return model.weight.grad.clone()
 
 
-@exercise("Exercise 1 (weight_grad)", hint="d/dW mean((xWᵀ + b - y)²) = 2 (xWᵀ + b - y)ᵀ x / (number of elements).")
+def _plain_mean_of_chunk_grads(model, x, y, n_chunks):
+    grads = [_autograd_weight_grad(model, xc, yc) for xc, yc in zip(x.chunk(n_chunks), y.chunk(n_chunks))]
+    return torch.stack(grads).mean(0)
+
+
+@exercise("Exercise 1 (weight_grad)", hint="write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
 def weight_grad(fn):
     """Exercise 1: the weight gradient of the MSE loss, by hand."""
     model, x, y = _problem()
@@ -32,44 +37,78 @@ def weight_grad(fn):
     with torch.no_grad():
         got = fn(model, x, y)
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return wrong(f"return a tensor shaped like model.weight {tuple(expected.shape)}.")
+        return wrong(f"return a tensor shaped like model.weight {tuple(expected.shape)}: (out_features, in_features).")
     if torch.allclose(got, expected):
         return correct("matches autograd.")
     if torch.allclose(got, expected * y.shape[1]):
         return wrong("MSELoss averages over every element (batch × outputs), not only over the batch.")
     if torch.allclose(got, -expected):
         return wrong("check the sign: the error is prediction - label.")
-    return wrong("d/dW mean((xWᵀ + b - y)²) = 2 (xWᵀ + b - y)ᵀ x / (number of elements).")
+    if torch.allclose(got, expected / 2):
+        return wrong("the derivative of a square brings down a factor 2.")
+    return wrong("write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
 
 
-@exercise("Exercise 2 (chunk_mean_grad)", hint="zero the gradients before each chunk (or clone them), then average the 4 results.")
+@exercise("Exercise 2 (chunk_mean_grad)", hint="zero the gradients before each chunk (or clone them), then take the plain mean of the chunks' weight gradients.")
 def chunk_mean_grad(fn):
-    """Exercise 2: the mean over equal chunks of each chunk's gradient."""
-    model, x, y = _problem(n=12)
-    expected = _autograd_weight_grad(model, x, y)
+    """Exercise 2: the plain mean, over the chunks of ``torch.chunk``, of each chunk's gradient."""
+    model, x, y = _problem(n=12)  # 4 equal chunks of 3
+    equal = _plain_mean_of_chunk_grads(model, x, y, 4)
     got = fn(model, x, y, 4)
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return wrong(f"return the weight gradient, shaped {tuple(expected.shape)}.")
+    if not isinstance(got, torch.Tensor) or got.shape != equal.shape:
+        return wrong(f"return the weight gradient, shaped {tuple(equal.shape)}.")
     got = got.detach()
-    if torch.allclose(got, expected):
-        return correct("the mean of the chunks' gradients is the full batch's gradient.")
-    if torch.allclose(got, 4 * expected):
+    if torch.allclose(got, 4 * equal):
         return wrong("you summed the chunks' gradients: divide by the number of chunks.")
-    return wrong("zero the gradients before each chunk (or clone them), then average the 4 results.")
+    if not torch.allclose(got, equal):
+        return wrong("zero the gradients before each chunk (or clone them), then take the plain mean of the chunks' weight gradients.")
+    # 10 samples in 4 chunks: torch.chunk makes 3, 3, 3 and 1. Now the plain mean is not the full gradient.
+    model, x, y = _problem(seed=8, n=10)
+    uneven = _plain_mean_of_chunk_grads(model, x, y, 4)
+    got = fn(model, x, y, 4).detach()
+    if torch.allclose(got, _autograd_weight_grad(model, x, y)) and not torch.allclose(got, uneven):
+        return wrong("that is the gradient of the whole batch, computed in one go (or weighted by chunk size). "
+                     "The exercise asks for what data parallelism computes: one gradient per chunk, then their "
+                     "plain mean. With 10 samples in chunks of 3, 3, 3 and 1 the two differ.")
+    if not torch.allclose(got, uneven):
+        return wrong("with 10 samples torch.chunk(4) makes chunks of 3, 3, 3 and 1: compute each chunk's gradient, then their plain mean.")
+    return correct("the plain mean of the chunks' gradients; with equal chunks it is the full batch's gradient.")
 
 
-@exercise("Exercise 3 (chunk_weights)", hint="a chunk of n samples out of N in total has weight n / N: the weights add up to 1.")
-def chunk_weights(fn):
-    """Exercise 3: how to weight uneven chunks so they add up to the full batch."""
-    cases = {(7, 7, 6): [0.35, 0.35, 0.3], (5, 5, 5, 5): [0.25] * 4, (1, 3): [0.25, 0.75]}
-    for sizes, expected in cases.items():
-        got = fn(list(sizes))
-        try:
-            ok = len(got) == len(expected) and all(abs(float(a) - b) < 1e-9 for a, b in zip(got, expected))
-        except TypeError:
-            return wrong("return a list with one number per chunk.")
-        if not ok:
-            if all(abs(float(a) - 1 / len(sizes)) < 1e-9 for a in got):
-                return wrong(f"equal weights are right only for equal sizes; try sizes {list(sizes)}.")
-            return wrong(f"for sizes {list(sizes)} you gave {list(got)}; a chunk with more samples counts more.")
-    return correct("each chunk counts in proportion to its size.")
+def _mean_of_chunk_grads_of(loss_fn, model, x, y, sizes):
+    chunks = list(zip(x.split(sizes), y.split(sizes)))
+    grads = []
+    for xc, yc in chunks:
+        model.zero_grad()
+        loss = loss_fn(model, xc, yc, len(x), len(chunks))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return None
+        loss.backward()
+        grads.append(model.weight.grad.clone())
+    return torch.stack(grads).mean(0)
+
+
+@exercise("Exercise 3 (chunk_loss)", hint="the plain mean divides by n_chunks; the batch's mean divides every squared error by batch_size × outputs. Start from the chunk's *sum* of squared errors and scale it so that, after the mean over chunks, each squared error is divided by exactly batch_size × outputs.")
+def chunk_loss(fn):
+    """Exercise 3: a per-chunk loss whose gradients, averaged plainly over the chunks (as DDP does),
+    give the full batch's gradient for chunks of any sizes."""
+    model, x, y = _problem(seed=9, n=10)
+    full = _autograd_weight_grad(model, x, y)
+    for sizes in ([4, 4, 2], [5, 5], [1, 3, 6], [10]):
+        got = _mean_of_chunk_grads_of(fn, model, x, y, sizes)
+        if got is None:
+            return wrong("return the loss as a tensor with one element, on which .backward() can be called.")
+        if torch.allclose(got, full):
+            continue
+        plain = _mean_of_chunk_grads_of(lambda m, xc, yc, n, k: nn.functional.mse_loss(m(xc), yc), model, x, y, sizes)
+        if torch.allclose(got, plain):
+            return wrong(f"that is each chunk's own mean loss: with chunks of {sizes} the plain average of their "
+                         "gradients gives a small chunk's samples more weight than a big chunk's.")
+        for factor, hint in ((1 / len(sizes), "the plain mean over the chunks divides by n_chunks: multiply by n_chunks to undo it."),
+                             (y.shape[1], "MSELoss averages over the outputs too: divide by batch_size × outputs (y.shape[1])."),
+                             (y.shape[1] / len(sizes), "divide each squared error by batch_size × outputs (y.shape[1]), and multiply by n_chunks to undo the plain mean.")):
+            if torch.allclose(got, full * factor):
+                return wrong(hint)
+        return wrong(f"with chunks of {sizes} the plain mean of your losses' gradients is not the batch's gradient.")
+    return correct("the plain mean over chunks of any sizes gives the full batch's gradient: each squared error "
+                   "is divided by batch_size × outputs exactly once.")

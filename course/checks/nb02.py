@@ -1,30 +1,77 @@
 """Checks for notebook 02 (collectives and data parallelism by hand)."""
 
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course.baseline import classic_data, single_device_step
-from course.exercises import correct, exercise, wrong
+from course.exercises import correct, exercise, todo, wrong
 from course.launcher import launch
 
 
-@exercise("Exercise 1 (all_reduce)", hint="add up the tensors of ranks 0, 1, 2 and 3, element by element.")
-def all_reduce_result(answer):
-    """Exercise 1: what rank 2 holds after all_reduce of ``[r + 1, 2 ** r]`` on 4 ranks."""
-    try:
-        got = torch.as_tensor(answer, dtype=torch.float64).flatten()
-    except (TypeError, ValueError, RuntimeError):
-        return wrong("give two numbers, e.g. [1.0, 2.0] or a tensor.")
-    ranks = torch.arange(4, dtype=torch.float64)
-    expected = torch.stack([(ranks + 1).sum(), (2**ranks).sum()])
-    if got.shape == expected.shape and torch.allclose(got, expected):
-        return correct("every rank ends with the element-wise sum over all ranks.")
-    if got.shape == expected.shape and torch.allclose(got, expected / 4):
-        return wrong("the default op is ReduceOp.SUM, not the average.")
-    if got.shape == expected.shape and torch.allclose(got, torch.tensor([3.0, 4.0], dtype=torch.float64)):
-        return wrong("that is what rank 2 held before: all_reduce changes the tensor in place on every rank.")
-    return wrong("add up the tensors of ranks 0, 1, 2 and 3, element by element.")
+def run_with_torchrun(script: str, nproc: int, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` (the text of a Python file) as ``torchrun --standalone --nproc-per-node=nproc``.
+
+    ``python -m torch.distributed.run`` is torchrun: it works where the ``torchrun`` command is not on
+    the PATH (a notebook kernel's PATH often lacks the environment's ``bin``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "script.py")
+        path.write_text(script, encoding="utf-8")
+        # Without PYTHONUNBUFFERED each process writes its output in one piece (print() unbuffered writes
+        # the text and the newline separately, and the processes' lines could interleave).
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES + ("PYTHONUNBUFFERED",)}
+        env["OMP_NUM_THREADS"] = "1"  # what torchrun would set anyway (it prints a banner when it has to)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+
+
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LINE = re.compile(r"^rank (\d+) of (\d+): sum (\S+)$", re.M)
+
+
+@exercise("Exercise 1 (setup by hand)", hint="read RANK and WORLD_SIZE from os.environ, call dist.init_process_group(\"gloo\", init_method=\"env://\", ...), all_reduce a tensor holding rank + 1, print, then dist.destroy_process_group().")
+def setup_script(script, nproc=3):
+    """Exercise 1: a script that sets up its own process group (env:// rendezvous), all-reduces
+    ``rank + 1`` and prints ``rank R of W: sum S``; run under torchrun with ``nproc`` processes."""
+    if not isinstance(script, str):
+        return wrong("give the script as a string (the text of the file torchrun runs).")
+    if "✏️ your code here" in script and "init_process_group" not in script:
+        return todo()
+    if "init_process_group(" not in script:
+        return wrong("every process must call dist.init_process_group(...) before its first collective.")
+    if "destroy_process_group(" not in script:
+        return wrong("end with dist.destroy_process_group(): it closes the connections before the process exits.")
+    proc = run_with_torchrun(script, nproc)
+    expected = {(r, nproc, nproc * (nproc + 1) / 2) for r in range(nproc)}
+    found = set()
+    for rank, size, total in _LINE.findall(proc.stdout):
+        try:
+            found.add((int(rank), int(size), float(total)))
+        except ValueError:
+            return wrong(f"print the sum as a number: `rank {rank} of {size}: sum {total}`.")
+    if proc.returncode != 0:
+        errors = re.findall(r"^\w+(?:Error|Exception): .*$", proc.stderr, re.M)  # the ranks' own exceptions
+        reason = errors[-1] if errors else (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        if "not been initialized" in proc.stderr or "init_process_group" in proc.stderr:
+            return wrong(f"every process must call dist.init_process_group(...) before its first collective. ({reason.strip()})")
+        return wrong(f"the script failed under torchrun: {reason.strip()}")
+    if not found:
+        return wrong("each process must print one line `rank R of W: sum S` (for example `rank 0 of 2: sum 3`).")
+    if {size for _, size, _ in found} != {nproc}:
+        return wrong(f"the check ran {nproc} processes: read WORLD_SIZE (and RANK) from os.environ, torchrun sets them.")
+    if all(total == rank + 1 for rank, _, total in found):
+        return wrong("each process printed its own number: all_reduce the tensor (every process calls it) before printing.")
+    if found != expected:
+        return wrong(f"expected one line per rank with the sum 1 + 2 + ... + {nproc}; got {sorted(found)}.")
+    return correct(f"{nproc} processes started by torchrun each set up the process group from the environment, "
+                   "all-reduced, and tore it down.")
 
 
 def _manual_data_parallel_step(rank, world_size, average_gradients):

@@ -84,16 +84,29 @@ def _metrics(model, x, y):
     return nn.functional.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item()
 
 
+class _Counting(nn.Module):
+    """The model, counting the samples that pass through it on this rank."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen = model, 0
+
+    def forward(self, x):
+        self.seen += len(x)
+        return self.model(x)
+
+
 def _run_evaluate(rank, world_size, evaluate, model, dataset):
-    result = evaluate(model, dataset)
+    counting = _Counting(model)
+    result = evaluate(counting, dataset)
     try:
         loss, accuracy = result
-        return float(loss), float(accuracy)
+        return float(loss), float(accuracy), counting.seen
     except (TypeError, ValueError):
         return repr(result)[:100]
 
 
-@exercise("Exercise 3 (exact evaluation)", hint="give the accuracy as a fraction between 0 and 1, not a percentage.")
+@exercise("Exercise 3 (exact evaluation)", hint="split the indices without padding, range(rank, len(dataset), world_size), with Subset; on each rank add up the cross-entropy losses (reduction=\"sum\"), the correct predictions and the number of samples; all_reduce the three sums, then divide.")
 def evaluate(fn, world_size=3):
     """Exercise 3: exact distributed evaluation (mean loss, accuracy) with all_reduce."""
     model, dataset = _exact_eval_data()
@@ -103,11 +116,23 @@ def evaluate(fn, world_size=3):
         return wrong(f"return two numbers, (mean loss, accuracy); got {bad}.")
     x, y = dataset.tensors
     exact = _metrics(model, x, y)
+    seen = [r[2] for r in results]
+    results = [r[:2] for r in results]
+    if all(n >= len(dataset) for n in seen):
+        return wrong(f"every rank ran the model on all {len(dataset)} samples ({seen} per rank): that is one "
+                     "process's work, repeated. Give each rank its own part, e.g. range(rank, len(dataset), world_size), "
+                     "and combine the ranks' sums with dist.all_reduce.")
 
     def close(a, b):
         return all(math.isclose(u, v, rel_tol=1e-5, abs_tol=1e-6) for u, v in zip(a, b))
 
     if close(results[0], exact) and all(close(r, exact) for r in results):
+        if sum(seen) != len(dataset):
+            return wrong(f"the ranks ran the model on {sum(seen)} samples in all ({seen} per rank) for a dataset "
+                         f"of {len(dataset)}: each sample should be evaluated by exactly one rank.")
+        if max(seen) > math.ceil(len(dataset) / world_size):
+            return wrong(f"the ranks ran the model on {seen} samples: share the work evenly, each rank about "
+                         f"1/{world_size} of the dataset.")
         return correct(f"{world_size} ranks, 10 samples, each counted once: the same loss and "
                              "accuracy as one process.")
     if not all(close(r, results[0]) for r in results):

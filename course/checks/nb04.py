@@ -1,10 +1,12 @@
 """Checks for notebook 04 (gradient buckets and communication hooks)."""
 
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import tracing
@@ -59,6 +61,15 @@ def n_buckets(answer):
 
 
 def _grads_with_hook(rank, world_size, hook):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # Flag PyTorch's own hooks, however they are called (directly, renamed, or wrapped): they all
+    # go through these two helpers of default_hooks, looked up by name when called.
+    used_builtin = []
+    for name in ("_compress_hook", "_allreduce_fut"):
+        original = getattr(default_hooks, name)
+        setattr(default_hooks, name, lambda *a, _f=original, _n=name: used_builtin.append(_n) or _f(*a))
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
     reference = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -79,17 +90,29 @@ def _grads_with_hook(rank, world_size, hook):
     ddp(x).square().mean().backward()
     tracing.wait_all()
     dtypes = [e.dtypes[0] for e in tracing.collectives() if e.op == "all_reduce"]
-    return {"expected": expected, "got": [p.grad.clone() for p in model.parameters()], "dtypes": dtypes}
+
+    # Huge gradients: 3e38 on rank 0, 2e38 on rank 1. Their sum overflows; their average does not.
+    big = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        big.weight.fill_(1.0)
+    big_ddp = DDP(big)
+    big_ddp.register_comm_hook(None, hook)
+    big_ddp(torch.tensor([[3e38 if rank == 0 else 2e38]])).sum().backward()
+    return {"expected": expected, "got": [p.grad.clone() for p in model.parameters()], "dtypes": dtypes,
+            "big": big.weight.grad.item(), "builtin": sorted(set(used_builtin))}
 
 
-@exercise("Exercise 2 (bf16 compression hook)", hint="cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
+@exercise("Exercise 2 (bf16 compression hook)", hint="cast bucket.buffer() to bfloat16 and divide it by the world size *before* the all_reduce (async_op=True); in .then(...) copy the result back into the float32 buffer and return that buffer.")
 def bf16_hook(fn):
-    """Exercise 2: a comm hook that all-reduces the bucket in bfloat16 and averages."""
+    """Exercise 2: a comm hook, written without PyTorch's hooks, that all-reduces the bucket in
+    bfloat16 and averages without overflowing."""
     if not callable(fn):
         return wrong("write a function `bf16_hook(process_group, bucket)`.")
     params = list(inspect.signature(fn).parameters)
     if len(params) != 2 or params[1] != "bucket":
         return wrong("DDP calls a hook with two arguments, and the second must be named `bucket`: def bf16_hook(process_group, bucket).")
+    if fn in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook, default_hooks.allreduce_hook):
+        return wrong("that is PyTorch's own hook: write the cast, the all_reduce and the copy back yourself.")
     try:
         result = launch(_grads_with_hook, 2, fn, backend="traced", show=None, timeout=60)[0]
     except WorkerError as e:
@@ -97,12 +120,17 @@ def bf16_hook(fn):
         if "Future" in summary or "future" in summary:
             return wrong(f"DDP wants a torch.futures.Future back: return dist.all_reduce(..., async_op=True).get_future().then(...). ({summary})")
         return wrong(f"a rank failed: {summary}")
+    if result["builtin"]:
+        return wrong("your hook calls PyTorch's own hook (default_hooks): write the cast, the all_reduce and the copy back yourself.")
     got, expected = torch.cat([g.flatten() for g in result["got"]]), torch.cat([g.flatten() for g in result["expected"]])
     if "bfloat16" not in result["dtypes"]:
         return wrong(f"the all_reduce ran in {', '.join(sorted(set(result['dtypes']))) or 'nothing'}: cast the bucket's buffer to torch.bfloat16 before all-reducing it.")
     close = lambda a, b: torch.allclose(a, b, rtol=2e-2, atol=1e-4)
     if close(got, 2 * expected):
-        return wrong("all_reduce sums: divide by the world size (before or after the all_reduce) to average.")
-    if close(got, expected):
-        return correct("half the bytes of float32, gradients within bfloat16's ~3 significant digits.")
-    return wrong("cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
+        return wrong("all_reduce sums: divide by the world size to average.")
+    if not close(got, expected):
+        return wrong("cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
+    if not math.isclose(result["big"], 2.5e38, rel_tol=1e-2):
+        return wrong(f"gradients of 3e38 and 2e38 averaged to {result['big']:.3g}, not 2.5e38: their sum overflows. "
+                     "Divide by the world size *before* the all_reduce, as DDP does.")
+    return correct("half the bytes of float32, gradients within bfloat16's ~3 significant digits, no overflow.")
