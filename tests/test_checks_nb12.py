@@ -109,7 +109,8 @@ def test_the_traced_step_is_what_exercise_2_expects():
         ((1, 1, 128), "one at the exit of each block"),
         ((2, 2, 128), "does not require grad"),
         ((2, 0, 128), "f all-reduces in backward"),
-        ((2, 1, 256), "never leaves its rank"),
+        ((2, 1, 512), "never leaves its rank"),
+        ((2, 1, 256), "this rank's slice of the hidden activation"),  # batch x hidden/N x 4 B
         ((2, 1, 64), "not half of it"),
         ((2, 1, 2240), "batch × features"),
         ((2, 1, 128.0), "three whole numbers"),

@@ -95,7 +95,7 @@ def row_parallel(forward, backward, world_size=2):
 
 def _tp_step(rank, world_size):
     torch.manual_seed(0)
-    model = nn.Sequential(*(tp.ParallelMLP(tp.MLP(8, 16)) for _ in range(2)))
+    model = nn.Sequential(*(tp.ParallelMLP(tp.MLP(8, 32)) for _ in range(2)))
     x, y = torch.randn(4, 8), torch.randn(4, 8)  # data: does not require grad
     tracing.clear()
     tracing.mark("forward")
@@ -107,7 +107,7 @@ def _tp_step(rank, world_size):
 
 
 def traced_tp_step():
-    """One training step of two Megatron MLP blocks (8 -> 16 -> 8) on 2 ranks, batch 4,
+    """One training step of two Megatron MLP blocks (8 -> 32 -> 8) on 2 ranks, batch 4,
     traced: {"forward": [bytes of each all_reduce], "backward": [...]} from rank 0's trace."""
     events = launch(_tp_step, 2, backend="traced", show=None, timeout=60)[0]
     phases, phase = {"forward": [], "backward": []}, None
@@ -143,8 +143,11 @@ def tp_all_reduces(forward_all_reduces, backward_all_reduces, bytes_per_all_redu
             return wrong("f all-reduces in backward: a block's input gradient is a sum of the ranks' contributions.")
         return wrong("count the f's whose input needs a gradient.")
     if bytes_per_all_reduce != size:
+        if bytes_per_all_reduce == 4 * size:
+            return wrong("the hidden activation (32 features) never leaves its rank: g sums the row-parallel layer's output, 8 features per sample.")
         if bytes_per_all_reduce == 2 * size:
-            return wrong("the hidden activation (16 features) never leaves its rank: g sums the row-parallel layer's output, 8 features per sample.")
+            return wrong("that is this rank's slice of the hidden activation (batch × 32/2 features): it stays on the rank and "
+                         "feeds the row-parallel layer; g sums that layer's output, 8 features per sample.")
         if bytes_per_all_reduce == size // 2:
             return wrong("each rank hands the all-reduce its whole partial output (all 8 features), not half of it.")
         return wrong("g sums the block's output: batch × features × 4 bytes (float32).")
@@ -182,11 +185,19 @@ def _attention_run(rank, world_size, parallelize):
         (y * upstream).sum().backward()
     except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
         return {"placements": placements, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    ok_weight_grads = True
+    for name in ("q", "out"):  # a column- and a row-parallel projection: compare the whole gradient
+        grad = getattr(block, name).weight.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        expected = getattr(full, name).weight.grad
+        ok_weight_grads &= grad is not None and grad.shape == expected.shape and torch.allclose(grad, expected, rtol=1e-9, atol=1e-9)
     return {
         "placements": placements,
         "n_heads": getattr(block, "n_heads", None),
         "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
         "ok_grad": torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
+        "ok_weight_grads": bool(ok_weight_grads),
     }
 
 
@@ -214,8 +225,12 @@ def tensor_parallel_attention(parallelize, world_size=2):
     if r["n_heads"] == HEADS and not r["ok_output"]:
         return wrong(f"each rank now computes {HEADS // world_size} of the {HEADS} heads, but the block still "
                      f"splits its features into {HEADS} heads (of half the size): set block.n_heads.")
-    if not r["ok_output"]:
-        return wrong("the output differs from the unsplit block's.")
+    if not all(q["ok_output"] for q in results):
+        bad = [rank for rank, q in enumerate(results) if not q["ok_output"]]
+        return wrong(f"the output on rank(s) {bad} differs from the unsplit block's.")
     if not all(q["ok_grad"] for q in results):
         return wrong("the output is right but the input gradient is not.")
-    return correct(f"{HEADS} heads over {world_size} ranks: the output and the input gradient equal the unsplit block's.")
+    if not all(q["ok_weight_grads"] for q in results):
+        return wrong("the output and the input gradient are right, but the gradients of q.weight or out.weight are not.")
+    return correct(f"{HEADS} heads over {world_size} ranks: on every rank the output, the input gradient and the "
+                   "gradients of q.weight and out.weight equal the unsplit block's.")
