@@ -174,8 +174,19 @@ def _when_done(work, event, result):
     return True
 
 
+# The same op under an older gloo name (torch 2.13's Python API calls all_gather_single,
+# its gloo only has _allgather_base): recorded under the same name in the trace.
+_OLDER_GLOO_NAMES = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+}
+
+
 def _forwarder(method):
     def call(self, *args, **kwargs):
+        if not hasattr(self.gloo, method) and method in _OLDER_GLOO_NAMES:
+            return self._record(_OLDER_GLOO_NAMES[method], args, kwargs)
         return self._record(method, args, kwargs)
 
     call.__name__ = method
