@@ -90,7 +90,7 @@ def test_the_oldest_pair_ci_tests_is_exactly_the_floor_pyproject_declares():
     for name, version in oldest.items():
         assert declared[name] == f"{name}>={version}"  # what is declared is what is tested
     ci = (ROOT / ".ci" / "old-torch").read_text()
-    assert "-c constraints-oldest.txt torch torchvision" in ci and "pytest notebooks/ tests/" in ci
+    assert "-c constraints-oldest.txt torch torchvision" in ci and "pytest notebooks/ tests/ " in ci
     assert ".ci/old-torch" in (ROOT / ".ci" / "run").read_text()
 
 
