@@ -15,8 +15,7 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-
-websocket = pytest.importorskip("websocket")  # websocket-client, in the dev extra
+import websocket  # websocket-client: jupyter_server's own dependency, so jupyterlab brings it
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "02_manual_scatter.ipynb"
