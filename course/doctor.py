@@ -1,11 +1,13 @@
 """``python -m course doctor``: can this machine run the course? For instructors.
 
 Prints versions, cores and what torch.distributed offers, then does a real 2-rank
-gloo launch. Exits non-zero, saying what to do, if something the course needs fails.
+gloo launch and a traced DDP launch (notebooks 04 and 05 record the collectives DDP's
+C++ reducer issues). Exits non-zero, saying what to do, if something the course needs fails.
 """
 
 import os
 import platform
+import re
 import sys
 import time
 
@@ -14,6 +16,39 @@ def _line(ok, what, detail=""):
     mark = {True: "ok  ", False: "FAIL", None: "info"}[ok]
     print(f"[{mark}] {what}{': ' + detail if detail else ''}")
     return ok is not False
+
+
+def _version(text):
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def oldest_supported(package="torch"):
+    """The lowest version of ``package`` the course declares (``torch>=X`` in pyproject), or None."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("ddp-course") or []
+    except metadata.PackageNotFoundError:  # running from a checkout that is not installed
+        return None
+    for requirement in requires:
+        match = re.fullmatch(rf"{package}\s*>=\s*([\w.]+)", requirement.split(";")[0].strip())
+        if match:
+            return match[1]
+    return None
+
+
+def _ddp_trace(rank, world_size):
+    """One DDP step on the traced backend; the collectives it recorded."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course import tracing
+
+    torch.manual_seed(rank)
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.randn(8, 4)).sum().backward()
+    tracing.wait_all()
+    return [e.op for e in tracing.collectives()], model.module.weight.grad
 
 
 def doctor() -> int:
@@ -27,6 +62,10 @@ def doctor() -> int:
         _line(False, "torch", f"{e} — run the install command in README.md")
         return 1
     ok &= _line(None, "torch", f"{torch.__version__} (CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    oldest = oldest_supported()
+    if oldest and _version(torch.__version__) < _version(oldest):
+        ok &= _line(False, "torch version", f"{torch.__version__} is older than the course supports (torch>={oldest}): "
+                    f'pip install "torch>={oldest}" with its torchvision')
     try:
         import torchvision
 
@@ -63,5 +102,19 @@ def doctor() -> int:
         return 1
     seconds = time.perf_counter() - start
     ok &= _line(results == [3.0, 3.0], "2-rank gloo launch + all_reduce", f"{results} in {seconds:.2f} s")
+
+    # Notebooks 04, 05 and some exercise checks record collectives with course.tracing's
+    # "traced" backend: it must see the all-reduce that DDP's C++ reducer issues.
+    what = "traced backend sees DDP's collectives (notebooks 04, 05)"
+    try:
+        import course.tracing  # registers "traced"
+
+        (ops, grad0), (_, grad1) = launch(_ddp_trace, 2, backend="traced", show=None, timeout=60)
+    except Exception as e:
+        ok &= _line(False, what, f"{type(e).__name__}: {e}".splitlines()[0]
+                    + f" — torch {torch.__version__} cannot run course.tracing; install a supported torch"
+                    + (f" (>= {oldest})" if oldest else ""))
+    else:
+        ok &= _line("all_reduce" in ops and torch.equal(grad0, grad1), what, ", ".join(ops))
     print("All good: the course runs here." if ok else "Something above failed: see README.md, Troubleshooting.")
     return 0 if ok else 1

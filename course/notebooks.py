@@ -27,7 +27,26 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
 STUDENT = ROOT / "notebooks"
-REPO = "ddp-course/ddp-course"  # GitHub owner/name, for the Colab links
+
+
+def repository_url(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The course's GitHub URL, from ``Repository`` in pyproject's ``[project.urls]``:
+    the one place to change when you fork the course (then run the build)."""
+    text = pyproject.read_text(encoding="utf-8")
+    try:
+        import tomllib  # Python 3.11+
+
+        url = tomllib.loads(text)["project"]["urls"]["Repository"]
+    except ImportError:  # Python 3.10: the line is simple enough to read directly
+        url = re.search(r'^Repository\s*=\s*"([^"]+)"', text, re.M)[1]
+    match = re.fullmatch(r"https://github\.com/([\w.-]+/[\w.-]+?)(?:\.git)?/?", url)
+    if not match:
+        raise ValueError(f"pyproject.toml: Repository = {url!r} is not https://github.com/OWNER/NAME (Colab opens GitHub)")
+    return f"https://github.com/{match[1]}"
+
+
+# owner/name, for the Colab links (None in an installed copy, which has no pyproject.toml and no notebooks)
+REPO = repository_url().removeprefix("https://github.com/") if (ROOT / "pyproject.toml").exists() else None
 
 _LINE = re.compile(r"^(?P<lhs>\s*[^=#]+?=)\s*(?P<rhs>.*?)\s*#\s*SOLUTION\s*$")
 _BEGIN = re.compile(r"^(?P<indent>\s*)#\s*BEGIN SOLUTION\s*$")

@@ -19,6 +19,14 @@ unchanged. DDP runs exactly as on ``"gloo"``; only the name differs.
 This is the layer where the classic experiment patched PyTorch's MPI backend in C++
 to print each collective; here it takes one Python class and no rebuild. (Cost: a
 Python call per collective, roughly 0.1 ms; see benchmarks/tracer_overhead.py.)
+
+Older torch: a ``Backend`` can be written in Python only from torch 2.14 on (before,
+its constructor is not exposed: "TracingBackend: No constructor defined!"). There the
+class derives from ``dist.ProcessGroup`` instead, whose constructor every torch 2.x
+exposes: ``init_process_group`` then uses the object as the whole process group, and
+DDP's C++ reducer calls its Python methods just the same. (torch 2.14+ needs the
+``Backend`` form: its Python API calls ops such as ``all_gather_single`` that only
+reach a backend.)
 """
 
 from __future__ import annotations
@@ -91,7 +99,20 @@ class Mark:
     label: str
 
 
-class TracingBackend(_C10dBackend):
+def _python_subclass_constructible(base) -> bool:
+    """Can a Python class derived from this c10d class be constructed on this torch?"""
+    try:
+        type("_Probe", (base,), {})(0, 1)
+    except TypeError:  # "No constructor defined!"
+        return False
+    return True
+
+
+# torch >= 2.14: a Backend written in Python; older: a whole ProcessGroup (see above).
+_BASE = _C10dBackend if _python_subclass_constructible(_C10dBackend) else dist.ProcessGroup
+
+
+class TracingBackend(_BASE):
     """A gloo backend with a recorder in front. ``events`` lists what it ran."""
 
     def __init__(self, store, rank, world_size, timeout):
@@ -153,8 +174,19 @@ def _when_done(work, event, result):
     return True
 
 
+# The same op under an older gloo name (torch 2.13's Python API calls all_gather_single,
+# its gloo only has _allgather_base): recorded under the same name in the trace.
+_OLDER_GLOO_NAMES = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+}
+
+
 def _forwarder(method):
     def call(self, *args, **kwargs):
+        if not hasattr(self.gloo, method) and method in _OLDER_GLOO_NAMES:
+            return self._record(_OLDER_GLOO_NAMES[method], args, kwargs)
         return self._record(method, args, kwargs)
 
     call.__name__ = method
@@ -181,7 +213,7 @@ def tracer(group=None) -> TracingBackend:
     if not dist.is_initialized():
         raise RuntimeError("No process group yet: run this inside a rank started with course.launch(..., backend='traced').")
     group = group or dist.group.WORLD
-    backend = group._get_backend(torch.device("cpu"))
+    backend = group if isinstance(group, TracingBackend) else group._get_backend(torch.device("cpu"))
     if not isinstance(backend, TracingBackend):
         raise RuntimeError(
             f"This process group runs on {dist.get_backend(group)!r}, not {BACKEND!r}: "

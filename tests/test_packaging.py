@@ -73,3 +73,57 @@ def test_ci_runs_the_readme_install_and_test_commands():
     assert commands["Install"] in ci
     assert commands["Test"] in ci
     assert ci.index(commands["Install"]) < ci.index(commands["Test"])
+
+
+# ---------------------------------------------------------------- the supported range
+
+
+def _pins(path):
+    lines = (ROOT / path).read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_the_oldest_pair_ci_tests_is_exactly_the_floor_pyproject_declares():
+    declared = {_name(r): r for r in _pyproject()["dependencies"]}
+    oldest = _pins("constraints-oldest.txt")
+    assert sorted(oldest) == ["torch", "torchvision"]
+    for name, version in oldest.items():
+        assert declared[name] == f"{name}>={version}"  # what is declared is what is tested
+    ci = (ROOT / ".ci" / "old-torch").read_text()
+    assert "-c constraints-oldest.txt torch torchvision" in ci and "pytest notebooks/ tests/ " in ci
+    assert ".ci/old-torch" in (ROOT / ".ci" / "run").read_text()
+
+
+# ---------------------------------------------------------------- one repository URL
+
+
+def test_the_colab_links_come_from_the_repository_url_in_pyproject():
+    from course import notebooks
+
+    url = _pyproject()["urls"]["Repository"]
+    assert notebooks.repository_url() == url and notebooks.REPO == url.removeprefix("https://github.com/")
+    assert f"git+{url}" in notebooks.COLAB_INSTALL
+    assert f"colab.research.google.com/github/{notebooks.REPO}/blob/main/" in notebooks.colab_badge("notebooks", "x.ipynb")
+    # no other copy of the URL in the package: a fork changes pyproject.toml only
+    for path in (ROOT / "course").rglob("*.py"):
+        assert notebooks.REPO not in path.read_text(encoding="utf-8"), path
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('Repository = "https://github.com/someone/my-ddp-course"', "https://github.com/someone/my-ddp-course"),
+        ('Repository = "https://github.com/someone/my-ddp-course.git"', "https://github.com/someone/my-ddp-course"),
+        ('Repository = "https://gitlab.com/someone/course"', "not https://github.com/OWNER/NAME"),
+    ],
+)
+def test_a_fork_changes_one_line(tmp_path, line, expected):
+    from course import notebooks
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(f'[project]\nname = "ddp-course"\n\n[project.urls]\n{line}\n')
+    if expected.startswith("https://"):
+        assert notebooks.repository_url(pyproject) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            notebooks.repository_url(pyproject)
