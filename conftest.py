@@ -8,9 +8,8 @@ nbval runs every notebook it collects, one pytest item per code cell.
   a student notebook's cells that the solution run already executed in the same state
   are skipped (see ``course.notebooks.student_cells_to_run``): only the cells that
   differ from the solution, depend on a stub, or feed such a cell run again.
-* With ``--dist loadgroup`` (pytest-xdist), each notebook's cells form one group, so a
-  notebook's kernel never is split across workers, while the other tests spread freely.
-  Notebooks are scheduled first: they are the longest units of work.
+* With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
+  one kernel. Notebooks are collected first, so the longest units of work start first.
 """
 
 from pathlib import Path
@@ -27,7 +26,6 @@ def _is_notebook_cell(item):
     return isinstance(getattr(item, "options", None), dict) and str(item.path).endswith(".ipynb")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     solutions_here = {Path(str(i.path)).name for i in items if _is_notebook_cell(i) and SOLUTION_DIR in Path(str(i.path)).parents}
     to_run = {}
@@ -35,7 +33,6 @@ def pytest_collection_modifyitems(config, items):
         if not _is_notebook_cell(item):
             continue
         path = Path(str(item.path))
-        item.add_marker(pytest.mark.xdist_group(path.parent.name + "/" + path.name))
         if STUDENT_DIR not in path.parents:
             continue
         item.options["check"] = False  # lax: run, do not compare outputs
