@@ -22,6 +22,7 @@ from collections import deque
 from course.worker import Job, NoiseFilter
 
 TICK = 0.25  # seconds between looks at the ranks' output files
+SHOW_AFTER = 0.5  # seconds: a quick launch shows only its replay, without flicker
 STATUS_AFTER = 3.0  # seconds after which the display also says which ranks still run
 LINES = 20  # the display keeps the latest lines only
 
@@ -52,10 +53,12 @@ class LiveOutput:
 
     def update(self, running):
         """Show new lines, and after STATUS_AFTER seconds the ranks in ``running``."""
+        elapsed = time.monotonic() - self.started
+        if elapsed < SHOW_AFTER:
+            return
         for rank in self.ranks:
             self._read(rank)
         text = "\n".join(self.lines)
-        elapsed = time.monotonic() - self.started
         if running and elapsed >= STATUS_AFTER:
             text += f"\n… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}"
         if text.strip() and text != self.shown:
