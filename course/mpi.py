@@ -34,19 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from course import distenv
-from course.worker import (
-    Job,
-    Report,
-    WorkerTimeoutError,
-    check_backend,
-    check_world_size,
-    collect,
-    pack,
-    ranks_to_show,
-    replay_output,
-    run_rank,
-)
+from course import distenv, worker
 
 
 class MPIRunNotFound(RuntimeError):
@@ -91,19 +79,19 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     there is no mpirun, :class:`course.WorkerError` if a rank fails and
     :class:`course.WorkerTimeoutError` if the run takes longer than ``timeout``.
     """
-    check_world_size(world_size)
+    worker.check_world_size(world_size)
     mpirun = mpirun or find_mpirun()
     if mpirun is None:
         raise MPIRunNotFound(
             "mpirun not found. Install MPICH with `pip install mpich` (Linux, macOS) "
             "or Open MPI from your system's packages, then try again."
         )
-    plugin = check_backend(backend)
-    show_ranks = ranks_to_show(show, world_size)
+    plugin = worker.check_backend(backend)
+    show_ranks = worker.ranks_to_show(show, world_size)
 
     with tempfile.TemporaryDirectory(prefix="course-mpi-") as workdir:
-        job = Job(world_size, workdir, backend, timeout, threads=1, launcher="course.mpi")
-        Path(workdir, "payload").write_bytes(pack(fn, args, plugin))
+        job = worker.Job(world_size, workdir, backend, timeout, threads=1, launcher="course.mpi")
+        Path(workdir, "payload").write_bytes(worker.pack(fn, args, plugin))
         Path(workdir, "job").write_bytes(pickle.dumps(job))
         command = mpirun_command(mpirun, world_size) + [sys.executable, "-m", "course.mpi", workdir]
         # Like multiprocessing's spawn: the ranks import from where this process does
@@ -116,13 +104,13 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            replay_output(job, show_ranks)
+            worker.replay_output(job, show_ranks)
             stuck = [r for r in range(world_size) if not _report_path(workdir, r).exists()]
-            raise WorkerTimeoutError(f"mpirun did not finish within timeout={timeout:g} s; stopped.", ranks=stuck or [0], stacks={})
-        replay_output(job, show_ranks)
+            raise worker.WorkerTimeoutError(f"mpirun did not finish within timeout={timeout:g} s; stopped.", ranks=stuck or [0], stacks={})
+        worker.replay_output(job, show_ranks)
         reports = {r: pickle.loads(p.read_bytes()) for r in range(world_size) if (p := _report_path(workdir, r)).exists()}
         said = launcher_output.decode(errors="replace").strip()
-        return collect(reports, world_size, missing=f"mpirun exited with code {proc.returncode}; it said:\n{said}")
+        return worker.collect(reports, world_size, missing=f"mpirun exited with code {proc.returncode}; it said:\n{said}")
 
 
 def _report_path(workdir, rank):
@@ -140,9 +128,9 @@ def _main(workdir):
         job = pickle.loads(Path(workdir, "job").read_bytes())
         if job.world_size != world_size:
             raise RuntimeError(f"mpirun started {world_size} ranks for a launch of {job.world_size}")
-        report = run_rank(rank, job, Path(workdir, "payload").read_bytes())
+        report = worker.run_rank(rank, job, Path(workdir, "payload").read_bytes())
     except BaseException as e:  # a folder that is not a launch's
-        report = Report.from_exception(rank, e)
+        report = worker.Report.from_exception(rank, e)
     tmp = _report_path(workdir, rank).with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(report))
     os.replace(tmp, _report_path(workdir, rank))  # whole, or not there at all
