@@ -274,9 +274,9 @@ def _supervise(procs, readers, job, display):
         rank = pending.pop(reader)
         try:
             reports[rank] = reader.recv()
-        except (EOFError, OSError):  # died without a word: its sentinel says how
-            pass
-        sentinels.pop(procs[rank].sentinel, None)
+        except (EOFError, OSError):  # died without a word: its sentinel will say how
+            return
+        sentinels.pop(procs[rank].sentinel, None)  # alive, waiting to be killed: no news there
 
     def failed():
         return any(not r.ok for r in reports.values())

@@ -480,3 +480,17 @@ def test_initialising_twice_names_the_fix():
     assert "or remove init_process_group from your function" in str(info.value)
     with pytest.raises(TypeError, match="init_process_group must be True or False"):
         launch(lambda r, w: r, 2, init_process_group="no")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_rank_that_dies_alone_is_reported_at_once_not_at_the_timeout(world_size):
+    def job(rank, world_size):
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(job, world_size, timeout=60, show=None)
+    assert time.monotonic() - start < 10
+    assert info.value.failed[0].startswith("process was killed by signal SIGKILL")
