@@ -9,10 +9,14 @@ torchrun           RANK                 WORLD_SIZE              LOCAL_RANK      
 Slurm ``srun``     SLURM_PROCID         SLURM_NTASKS            SLURM_LOCALID               first host of SLURM_JOB_NODELIST
 Open MPI           OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE    OMPI_COMM_WORLD_LOCAL_RANK  MASTER_ADDR, or 127.0.0.1 on one node
 MPICH (Hydra)      PMI_RANK             PMI_SIZE                MPI_LOCALRANKID             MASTER_ADDR, or 127.0.0.1 on one node
+course.launch      RANK                 WORLD_SIZE              LOCAL_RANK                  none: a FileStore (COURSE_LAUNCHER names it)
 =================  ===================  ======================  ==========================  =====================
 
-:func:`discover` turns any of them into one :class:`DistEnv`. ``course.launch`` needs none of
-this: it initialises the process group itself, and :func:`discover` reports that.
+:func:`discover` turns any of them into one :class:`DistEnv`. It reads variables and nothing
+else (no torch): whether a process group already exists is the caller's question
+(``dist.is_initialized()``; ``course.launch`` makes one unless ``init_process_group=False``,
+and then it sets ``MASTER_ADDR``/``MASTER_PORT`` too). :data:`MPI_VARIABLES` is the one list
+of MPI's names; :mod:`course.mpi` reads it too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
 
+# Each MPI family's names for (rank, world size, local rank, local world size).
+MPI_VARIABLES = {
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # also Intel MPI (Hydra)
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "pmix": ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),  # other PMIx launchers
+}
+
 
 class NoLauncherError(RuntimeError):
     pass
@@ -30,7 +41,7 @@ class NoLauncherError(RuntimeError):
 
 @dataclass(frozen=True)
 class DistEnv:
-    launcher: str  # "course.launch", "torchrun", "slurm", "openmpi", "mpich"
+    launcher: str  # "course.launch", "torchrun", "slurm", "openmpi", "mpich", "pmix"
     rank: int
     world_size: int
     local_rank: int
@@ -58,27 +69,31 @@ def discover(environ=None) -> DistEnv:
     """Read the launcher's environment (``os.environ`` by default). The innermost launcher wins:
     torchrun inside an ``srun`` allocation is torchrun."""
     env = os.environ if environ is None else environ
-    import torch.distributed as dist
-
-    if environ is None and dist.is_available() and dist.is_initialized():
-        return DistEnv(
-            "course.launch", dist.get_rank(), dist.get_world_size(),
-            int(env.get("LOCAL_RANK", dist.get_rank())), int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-            "", 0,
-        )
+    if "COURSE_LAUNCHER" in env and "RANK" in env:  # course.launch, course.mpi
+        world_size = _int(env, "WORLD_SIZE")
+        return _checked(DistEnv(env["COURSE_LAUNCHER"], _int(env, "RANK"), world_size, _int(env, "LOCAL_RANK", 0),
+                                _int(env, "LOCAL_WORLD_SIZE", world_size), env.get("MASTER_ADDR", ""),
+                                _int(env, "MASTER_PORT", 0)))
     if "RANK" in env and "WORLD_SIZE" in env:
         return _from(env, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _from(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-    if "PMI_RANK" in env:
-        return _from(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    for family, names in MPI_VARIABLES.items():
+        if names[0] in env:
+            return _from(env, family, *names)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _from_slurm(env)
     raise NoLauncherError(
         "No launcher environment found. Start this script with torchrun "
         "(torchrun --nproc-per-node=2 script.py), srun, mpirun, or call it through course.launch."
     )
+
+
+def mpi_rank_and_size(environ) -> tuple[int, int]:
+    """(rank, world size) from whichever MPI family's variables are set."""
+    for rank, size, _, _ in MPI_VARIABLES.values():
+        if rank in environ and size in environ:
+            return int(environ[rank]), int(environ[size])
+    names = ", ".join(names[0] for names in MPI_VARIABLES.values())
+    raise RuntimeError(f"Not started by mpirun: none of {names} is set.")
 
 
 def _int(env, name, default=None):

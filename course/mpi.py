@@ -13,10 +13,11 @@ temporary folder, as in :func:`course.launch`.
     [rank 1] ...
 
 Each rank runs ``python -m course.mpi FOLDER``: it reads ``fn`` and its arguments
-(sent by value with cloudpickle) from the folder, joins the process group, runs
-``fn(rank, world_size, *args)`` and writes its result back. As with
-``course.launch``, what each rank prints is shown afterwards in rank order, and a
-failing rank raises :class:`course.WorkerError`.
+(sent by value with cloudpickle) from the folder and runs :func:`course.worker.run_rank`,
+exactly as a rank of ``course.launch`` does, then writes its report back. What each
+rank prints is shown afterwards in rank order, and a failing rank raises
+:class:`course.WorkerError`. This module holds only what is MPI's: finding ``mpirun``,
+its command line, and reading the rank from its variables (:mod:`course.distenv`).
 
 ``mpirun`` comes from ``pip install mpich`` (part of the course's ``dev`` extra on
 Linux and macOS) or from your system (Open MPI, MPICH).
@@ -24,7 +25,6 @@ Linux and macOS) or from your system (Open MPI, MPICH).
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import shutil
@@ -34,27 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from course.launcher import (
-    WorkerError,
-    WorkerTimeoutError,
-    _error_report,
-    _flush_all,
-    _pickle_by_value,
-    _raise_worker_error,
-    _redirect_output,
-    _register_backend,
-    _replay_output,
-    _unpickle,
-    ranks_to_show,
-    registered_backend,
-)
-
-# (rank, world size) variables, for each MPI family.
-RANK_VARIABLES = [
-    ("PMI_RANK", "PMI_SIZE"),  # MPICH, Intel MPI (Hydra)
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
-    ("PMIX_RANK", "PMIX_SIZE"),  # other PMIx launchers
-]
+from course import distenv, worker
 
 
 class MPIRunNotFound(RuntimeError):
@@ -71,13 +51,9 @@ def find_mpirun() -> str | None:
 
 
 def rank_and_size(environ=None) -> tuple[int, int]:
-    """This process's rank and the world size, as ``mpirun`` announced them."""
-    environ = os.environ if environ is None else environ
-    for rank_var, size_var in RANK_VARIABLES:
-        if rank_var in environ and size_var in environ:
-            return int(environ[rank_var]), int(environ[size_var])
-    names = ", ".join(r for r, _ in RANK_VARIABLES)
-    raise RuntimeError(f"Not started by mpirun: none of {names} is set.")
+    """This process's rank and the world size, as ``mpirun`` announced them
+    (:data:`course.distenv.MPI_VARIABLES` lists the names each MPI uses)."""
+    return distenv.mpi_rank_and_size(os.environ if environ is None else environ)
 
 
 def mpirun_command(mpirun: str, world_size: int) -> list[str]:
@@ -103,22 +79,20 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     there is no mpirun, :class:`course.WorkerError` if a rank fails and
     :class:`course.WorkerTimeoutError` if the run takes longer than ``timeout``.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
+    worker.check_world_size(world_size)
     mpirun = mpirun or find_mpirun()
     if mpirun is None:
         raise MPIRunNotFound(
             "mpirun not found. Install MPICH with `pip install mpich` (Linux, macOS) "
             "or Open MPI from your system's packages, then try again."
         )
-    plugin = None if backend in ("gloo", "nccl") else registered_backend(backend)
-    if backend not in ("gloo", "nccl") and plugin is None:
-        raise ValueError(f"Unknown backend {backend!r}: use 'gloo' or a name registered with dist.Backend.register_backend.")
-    show_ranks = ranks_to_show(show, world_size)
+    plugin = worker.check_backend(backend)
+    show_ranks = worker.ranks_to_show(show, world_size)
 
     with tempfile.TemporaryDirectory(prefix="course-mpi-") as workdir:
-        Path(workdir, "payload").write_bytes(_pickle_by_value(fn, args, plugin))
-        Path(workdir, "config").write_bytes(pickle.dumps({"backend": backend, "timeout": timeout}))
+        job = worker.Job(world_size, workdir, backend, timeout, threads=1, launcher="course.mpi")
+        Path(workdir, "payload").write_bytes(worker.pack(fn, args, plugin))
+        Path(workdir, "job").write_bytes(pickle.dumps(job))
         command = mpirun_command(mpirun, world_size) + [sys.executable, "-m", "course.mpi", workdir]
         # Like multiprocessing's spawn: the ranks import from where this process does
         # (the course package, the module that defined fn, ...).
@@ -130,78 +104,37 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            _replay_output(workdir, show_ranks, world_size)
-            stuck = [r for r in range(world_size) if not Path(workdir, f"rank{r}.result").exists()]
-            raise WorkerTimeoutError(f"mpirun did not finish within timeout={timeout:g} s; stopped.", ranks=stuck or [0], stacks={})
-        _replay_output(workdir, show_ranks, world_size)
-        return _collect(workdir, world_size, proc.returncode, launcher_output.decode(errors="replace"))
+            worker.replay_output(job, show_ranks)
+            stuck = [r for r in range(world_size) if not _report_path(workdir, r).exists()]
+            raise worker.WorkerTimeoutError(f"mpirun did not finish within timeout={timeout:g} s; stopped.", ranks=stuck or [0], stacks={})
+        worker.replay_output(job, show_ranks)
+        reports = {r: pickle.loads(p.read_bytes()) for r in range(world_size) if (p := _report_path(workdir, r)).exists()}
+        said = launcher_output.decode(errors="replace").strip()
+        return worker.collect(reports, world_size, missing=f"mpirun exited with code {proc.returncode}; it said:\n{said}")
 
 
-def _collect(workdir, world_size, returncode, launcher_output):
-    results, errors = {}, {}
-    for rank in range(world_size):
-        path = Path(workdir, f"rank{rank}.result")
-        if path.exists():
-            kind, data = pickle.loads(path.read_bytes())
-            if kind == "result":
-                results[rank] = pickle.loads(data)
-            else:
-                errors[rank] = data
-    if errors:
-        _raise_worker_error(errors, world_size)
-    if len(results) < world_size:
-        missing = [r for r in range(world_size) if r not in results]
-        raise WorkerError(
-            f"mpirun exited with code {returncode} and rank(s) {missing} left no result.\n"
-            f"mpirun said:\n{launcher_output.strip()}",
-            rank=missing[0],
-        )
-    return [results[r] for r in range(world_size)]
+def _report_path(workdir, rank):
+    return Path(workdir, f"rank{rank}.report")
 
 
 def _main(workdir):
     """One rank, started by mpirun: ``python -m course.mpi FOLDER``."""
-    workdir = Path(workdir)
-    code = 1
-    rank = None
     try:
         rank, world_size = rank_and_size()
-        _redirect_output(workdir / f"rank{rank}.out")
-        config = pickle.loads((workdir / "config").read_bytes())
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        fn, args, plugin = _unpickle((workdir / "payload").read_bytes())
-        if plugin is not None:
-            _register_backend(plugin)
-        dist.init_process_group(
-            config["backend"],
-            init_method=(workdir / "store").as_uri(),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=config["timeout"] + 60),
-        )
-        try:
-            result = ("result", pickle.dumps(fn(rank, world_size, *args), protocol=pickle.HIGHEST_PROTOCOL))
-            code = 0
-        except BaseException as e:
-            result = ("error", _error_report(e))
-        dist.destroy_process_group()
-    except BaseException as e:  # before fn ran: not under mpirun, bad payload, ...
-        result = ("error", _error_report(e))
-        if rank is None:
-            print(f"course.mpi: {e}", file=sys.stderr)
-            raise SystemExit(2)
-    _write_atomically(workdir / f"rank{rank}.result", pickle.dumps(result))
-    _flush_all()
-    os._exit(code)
-
-
-def _write_atomically(path, data):
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    except RuntimeError as e:
+        print(f"course.mpi: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        job = pickle.loads(Path(workdir, "job").read_bytes())
+        if job.world_size != world_size:
+            raise RuntimeError(f"mpirun started {world_size} ranks for a launch of {job.world_size}")
+        report = worker.run_rank(rank, job, Path(workdir, "payload").read_bytes())
+    except BaseException as e:  # a folder that is not a launch's
+        report = worker.Report.from_exception(rank, e)
+    tmp = _report_path(workdir, rank).with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(report))
+    os.replace(tmp, _report_path(workdir, rank))  # whole, or not there at all
+    os._exit(0 if report.ok else 1)  # no teardown: the ranks' work is done
 
 
 if __name__ == "__main__":

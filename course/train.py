@@ -9,7 +9,7 @@ The script never asks *who* started it. :func:`course.distenv.discover` reads th
 launcher's environment variables (each launcher has its own names for rank, world
 size and local rank), and :meth:`DistEnv.export` writes them back under torchrun's
 names, so that one ``init_process_group(init_method="env://")`` serves them all.
-Under ``course.launch`` the process group already exists and is used as it is.
+Where the process group already exists (``course.launch`` makes one) it is used as it is.
 
 What it trains: the CIFAR-10 CNN of notebook 03 on ``course.data.cifar10`` (the
 synthetic stand-in when the real data is absent), a ``DistributedSampler``, SGD with
@@ -120,7 +120,7 @@ def setup(timeout: float = 120, environ=None) -> tuple[DistEnv, torch.device]:
     :class:`course.distenv.NoLauncherError`, saying how to start the script, when no
     launcher's variables are found."""
     env = discover(environ)
-    if env.launcher == "course.launch":  # the notebook's launcher made the process group
+    if dist.is_initialized():  # e.g. course.launch made it: use it as it is
         on_gpu = dist.get_backend() == "nccl"
         return env, torch.device("cuda", env.local_rank) if on_gpu else torch.device("cpu")
     backend, device = choose_device(env.local_rank, env.local_world_size)
@@ -232,11 +232,11 @@ def _transform():
 def main(argv=None) -> dict:
     """Parse the arguments, join the job, train; return the final weights (CPU tensors)."""
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()  # else whoever made the process group ends it
     try:
         env, device = setup(args.timeout)
     except NoLauncherError as e:
         sys.exit(f"error: {e}")
-    owns_group = env.launcher != "course.launch"
     try:
         if dist.get_rank() == 0:
             say(f"{env.launcher}: {env.world_size} ranks, {dist.get_backend()} on {device.type}")

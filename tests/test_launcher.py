@@ -381,3 +381,116 @@ def test_gloo_is_pinned_to_loopback():
 
 def test_public_names():
     assert course.launch is launch and issubclass(WorkerTimeoutError, WorkerError)
+
+
+# ---------------------------------------------------------------- code that makes its own process group
+
+# PyTorch's DDP tutorial (pytorch/tutorials, intermediate_source/ddp_tutorial.rst, "Basic Use Case"),
+# pasted as it is. Only its three GPU placements are taken out below, to run on a CPU.
+DDP_TUTORIAL = '''
+def setup(rank, world_size):
+    os.environ['MASTER_ADDR'] = 'localhost'
+    os.environ['MASTER_PORT'] = '12355'
+
+    # initialize the process group
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def cleanup():
+    dist.destroy_process_group()
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super(ToyModel, self).__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+def demo_basic(rank, world_size):
+    print(f"Running basic DDP example on rank {rank}.")
+    setup(rank, world_size)
+
+    # create model and move it to GPU with id rank
+    model = ToyModel().to(rank)
+    ddp_model = DDP(model, device_ids=[rank])
+
+    loss_fn = nn.MSELoss()
+    optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+
+    optimizer.zero_grad()
+    outputs = ddp_model(torch.randn(20, 10))
+    labels = torch.randn(20, 5).to(rank)
+    loss_fn(outputs, labels).backward()
+    optimizer.step()
+
+    cleanup()
+'''
+ON_CPU = {"ToyModel().to(rank)": "ToyModel()", "device_ids=[rank]": "device_ids=None", "torch.randn(20, 5).to(rank)": "torch.randn(20, 5)"}
+
+
+def _tutorial():
+    source = DDP_TUTORIAL
+    for gpu, cpu in ON_CPU.items():
+        assert source.count(gpu) == 1
+        source = source.replace(gpu, cpu)
+    namespace = {"os": os, "torch": torch, "dist": dist, "nn": torch.nn, "optim": torch.optim,
+                 "DDP": torch.nn.parallel.DistributedDataParallel}
+    exec(source, namespace)
+    return namespace
+
+
+def test_the_ddp_tutorials_demo_basic_runs_unchanged_with_init_process_group_false(capsys):
+    tutorial = _tutorial()
+
+    def job(rank, world_size):
+        ours = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"], os.environ["WORLD_SIZE"]
+        initialised_by_launch = dist.is_initialized()
+        tutorial["demo_basic"](rank, world_size)
+        return initialised_by_launch, ours, os.environ["MASTER_PORT"], dist.is_initialized()
+
+    results = launch(job, 2, init_process_group=False, timeout=120)
+    for rank, (initialised_by_launch, (addr, port, env_rank, env_world), port_after, still) in enumerate(results):
+        assert not initialised_by_launch and not still  # the tutorial's setup() made it, its cleanup() ended it
+        assert (addr, env_rank, env_world) == ("127.0.0.1", str(rank), "2") and int(port) > 0
+        assert port_after == "12355"  # the tutorial's own values win
+    assert results[0][1][1] == results[1][1][1]  # every rank got the same free port
+    assert capsys.readouterr().out == "[rank 0] Running basic DDP example on rank 0.\n[rank 1] Running basic DDP example on rank 1.\n"
+
+
+def test_env_init_works_with_only_what_launch_sets():
+    def job(rank, world_size):
+        dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return dist.get_rank(), t.item()
+
+    assert launch(job, 3, init_process_group=False, show=None) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def test_initialising_twice_names_the_fix():
+    tutorial = _tutorial()
+    with pytest.raises(WorkerError) as info:
+        launch(tutorial["demo_basic"], 2, show=None)
+    assert "trying to initialize the default process group twice" in str(info.value)
+    assert ("course.launch already initialised the process group; pass init_process_group=False "
+            "to course.launch") in str(info.value)
+    assert "or remove init_process_group from your function" in str(info.value)
+    with pytest.raises(TypeError, match="init_process_group must be True or False"):
+        launch(lambda r, w: r, 2, init_process_group="no")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_rank_that_dies_alone_is_reported_at_once_not_at_the_timeout(world_size):
+    def job(rank, world_size):
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(job, world_size, timeout=60, show=None)
+    assert time.monotonic() - start < 10
+    assert info.value.failed[0].startswith("process was killed by signal SIGKILL")

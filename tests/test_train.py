@@ -3,7 +3,7 @@ course.launch), elastic restarts that resume exactly, and failure reports.
 
 Every run trains the same 24 steps on 2 ranks, so every launcher must end with the same weights,
 bit for bit, as the run under course.launch (the ``reference`` fixture). Every command runs
-through course.shell with a timeout, and each test checks that none of its processes is left.
+through course.proctree with a timeout, and each test checks that none of its processes is left.
 """
 
 import os
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import course.train
-from course import shell
+from course import proctree
 from course.checkpoint import load_checkpoint
 from course.launcher import WorkerError, launch
 
@@ -94,7 +94,7 @@ def reference():
 
 
 def test_without_a_launcher_it_says_how_to_start_it(tmp_path):
-    result = shell.run([sys.executable, "-m", "course.train", "--out", tmp_path / "w.pt"], 60, clean_env())
+    result = proctree.run([sys.executable, "-m", "course.train", "--out", tmp_path / "w.pt"], 60, clean_env())
     assert result.returncode == 1
     assert "No launcher environment found" in result.output and "torchrun" in result.output
     assert "Traceback" not in result.output
@@ -173,7 +173,7 @@ def test_under_course_launch_a_crash_names_the_rank():
 
 
 def test_torchrun_standalone(tmp_path, reference):
-    out = ok(shell.run(torchrun("--standalone", "--nproc-per-node=2") + ["--out", tmp_path / "w.pt"],
+    out = ok(proctree.run(torchrun("--standalone", "--nproc-per-node=2") + ["--out", tmp_path / "w.pt"],
                        TIMEOUT, clean_env()))
     assert "torchrun: 2 ranks, gloo on cpu" in out
     assert same(weights(tmp_path / "w.pt"), reference)
@@ -189,7 +189,7 @@ def test_two_torchrun_agents_like_two_nodes(tmp_path, reference, rendezvous):
         options = ["--master-addr=127.0.0.1", f"--master-port={port}"]
     agents = [torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", *options)
               + ["--out", tmp_path / f"w{node}.pt"] for node in (0, 1)]
-    results = shell.run_all(agents, TIMEOUT, clean_env())
+    results = proctree.run_all(agents, TIMEOUT, clean_env())
     outputs = [ok(r) for r in results]
     nodes = [int(re.search(r"rank (\d): local rank 0, node (\d)", out).group(2)) for out in outputs]
     assert sorted(nodes) == [0, 1]
@@ -226,7 +226,7 @@ def test_sbatch_template_under_a_fake_srun(tmp_path, reference):
         SLURM_JOB_ID=4242, SLURM_JOB_NODELIST="localhost", SLURM_NNODES=1, SLURM_NTASKS=2,
         SLURM_TASKS_PER_NODE=2, SLURM_CPUS_PER_TASK=1,
     )
-    out = ok(shell.run(["bash", ROOT / "scripts" / "train.sbatch", *TRAIN, "--out", tmp_path / "w.pt"],
+    out = ok(proctree.run(["bash", ROOT / "scripts" / "train.sbatch", *TRAIN, "--out", tmp_path / "w.pt"],
                        TIMEOUT, env, cwd=tmp_path))
     assert "slurm: 2 ranks, gloo on cpu" in out
     assert same(weights(tmp_path / "w.pt"), reference)
@@ -256,7 +256,7 @@ def test_mpirun(tmp_path, reference):
                  "-x", "GLOO_SOCKET_IFNAME", "-x", "OMP_NUM_THREADS"]
     else:  # MPICH's Hydra passes the whole environment on
         flags = []
-    out = ok(shell.run([mpirun, *flags, "-n", "2", sys.executable, "-m", "course.train", *TRAIN,
+    out = ok(proctree.run([mpirun, *flags, "-n", "2", sys.executable, "-m", "course.train", *TRAIN,
                         "--out", tmp_path / "w.pt"], TIMEOUT, env))
     assert re.search(r"(openmpi|mpich): 2 ranks, gloo on cpu", out)
     assert same(weights(tmp_path / "w.pt"), reference)
@@ -270,7 +270,7 @@ def test_elastic_restart_resumes_from_the_checkpoint_and_ends_with_the_same_weig
     the checkpoint of step 16 and finish: the same weights as the run that never failed."""
     command = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1") + [
         "--checkpoint", tmp_path / "ckpt.pt", "--crash-at", "20", "--crash-how", "kill", "--out", tmp_path / "w.pt"]
-    out = ok(shell.run(command, TIMEOUT, clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)))
+    out = ok(proctree.run(command, TIMEOUT, clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)))
     assert "rank 1: crashing after step 20 (kill)" in out
     assert "resumed from step 16 (epoch 0, 16 batches of it done)" in out
     assert out.count("torchrun: 2 ranks") == 2  # two attempts
@@ -280,7 +280,7 @@ def test_elastic_restart_resumes_from_the_checkpoint_and_ends_with_the_same_weig
 def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(tmp_path):
     command = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=0") + [
         "--checkpoint", tmp_path / "ckpt.pt", "--crash-at", "4", "--out", tmp_path / "w.pt"]
-    result = shell.run(command, TIMEOUT, clean_env())
+    result = proctree.run(command, TIMEOUT, clean_env())
     assert not result.timed_out and result.returncode == 1
     report = result.output[result.output.index("course.train FAILED"):]
     failures = re.split(r"\n\[\d+\]:\n", report)[1:]  # one section per failed rank
@@ -295,16 +295,16 @@ def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(tmp_path):
 def test_a_killed_rank_has_no_traceback_to_report(tmp_path):
     command = torchrun("--standalone", "--nproc-per-node=2") + ["--crash-at", "4", "--crash-how", "kill",
                                                                   "--out", tmp_path / "w.pt"]
-    result = shell.run(command, TIMEOUT, clean_env())
+    result = proctree.run(command, TIMEOUT, clean_env())
     assert result.returncode == 1
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9", result.output)
     assert "Signal 9 (SIGKILL) received by PID" in result.output
 
 
-# ------------------------------------------------------------------ course.shell
+# ------------------------------------------------------------------ course.proctree
 
 
-def test_shell_timeout_stops_the_whole_tree(tmp_path):
+def test_proctree_timeout_stops_the_whole_tree(tmp_path):
     """A command whose child hides in a session of its own (as torchrun's workers do)."""
     child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
     parent = textwrap.dedent(f"""
@@ -312,11 +312,11 @@ def test_shell_timeout_stops_the_whole_tree(tmp_path):
         subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
         time.sleep(600)
     """)
-    result = shell.run([sys.executable, "-c", parent, str(tmp_path)], timeout=5, env=clean_env())
+    result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=5, env=clean_env())
     assert result.timed_out and result.returncode is None
     assert (tmp_path / "started").exists()  # the child ran; nothing_left_behind checks it is gone
 
 
-def test_shell_rejects_a_string_command():
+def test_proctree_rejects_a_string_command():
     with pytest.raises(TypeError, match="list of arguments"):
-        shell.run("torchrun --standalone train.py", timeout=5)
+        proctree.run("torchrun --standalone train.py", timeout=5)

@@ -1,13 +1,14 @@
-"""Run launcher commands (torchrun, mpirun, ...) from a notebook or a test: bounded, and leaving nothing behind.
+"""Run launcher commands (torchrun, mpirun, ...) as process trees: bounded in time, leaving nothing behind.
 
-    >>> result = course.shell.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-    ...                            "--nproc-per-node=2", "-m", "course.train"], timeout=120)
+    >>> result = course.proctree.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    ...                               "--nproc-per-node=2", "-m", "course.train"], timeout=120)
     >>> result.returncode, result.output.splitlines()[0]
 
 Why not ``subprocess.run(..., timeout=...)``? On timeout it kills the process it started,
 and only that one. ``torchrun`` starts its workers in sessions of their own
 (``start_new_session=True``), so they would live on, orphaned, holding ports and CPU.
-:func:`run_all` remembers every descendant of each command while it runs; on timeout it
+:func:`run_all` remembers every descendant of each command while it runs (with ``psutil``,
+which tells a process from a later one that got its pid, on Linux, macOS and Windows); on timeout it
 asks the commands to stop (``SIGTERM``: torchrun then stops its workers itself), and
 after a grace period kills every process of the tree that is still there.
 
@@ -23,6 +24,8 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+
+import psutil
 
 
 @dataclass
@@ -56,7 +59,7 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             tree.update(descendants([p.pid for p in procs]))  # remember them before an orphan is re-parented
-            time.sleep(0.2)  # a scan of /proc takes ~1 ms per 100 processes
+            time.sleep(0.2)  # a scan of all processes takes ~1 ms per 100 of them
         timed_out = [p.poll() is None for p in procs]
     finally:
         _stop(procs, tree, grace)
@@ -79,53 +82,32 @@ def _stop(procs, tree, grace):
     tree.update(descendants([p.pid for p in procs]))
     for p in procs:
         if p.poll() is None:
-            _signal(p.pid, signal.SIGKILL)
-    for pid, started in tree.items():
-        if _stat(pid)[1] == started:  # still the same process, not a new one that got its pid
-            _signal_group(pid, signal.SIGKILL)  # each torchrun worker leads its own process group
-            _signal(pid, signal.SIGKILL)
+            p.kill()
+    for process in tree.values():
+        if process.is_running():  # still the same process, not a new one that got its pid
+            _signal_group(process.pid, signal.SIGKILL)  # each torchrun worker leads its own process group
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
     for p in procs:
         p.wait()
 
 
-def descendants(pids) -> dict[int, int]:
-    """Every living process whose chain of parents leads to one of ``pids``, with its
-    start time (so that a pid reused later is not mistaken for it). Linux: read /proc."""
-    children = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            ppid, started = _stat(int(entry))
-            if ppid is not None:
-                children.setdefault(ppid, []).append((int(entry), started))
-    found, todo = {}, list(pids)
-    while todo:
-        for child, started in children.get(todo.pop(), []):
-            if child not in found:
-                found[child] = started
-                todo.append(child)
+def descendants(pids) -> dict[int, psutil.Process]:
+    """Every living process whose chain of parents leads to one of ``pids``."""
+    found = {}
+    for pid in pids:
+        try:
+            found.update((child.pid, child) for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:  # gone already
+            pass
     return found
-
-
-def _stat(pid):
-    """(parent pid, start time) of a process, or (None, None) if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None, None
 
 
 def _signal_group(pid, sig):
     try:
         if os.getpgid(pid) == pid:
             os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except (ProcessLookupError, PermissionError, AttributeError):  # gone, or Windows
         pass

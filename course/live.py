@@ -1,0 +1,85 @@
+"""What the ranks print, shown while they run: one live display in the notebook cell.
+
+A launch replays its ranks' output in rank order when it ends (deterministic, so nbval can
+compare it). Until then a cell would be silent: for a training run, seconds; for a hang,
+the whole timeout. In a Jupyter kernel, :class:`LiveOutput` therefore shows the ranks'
+latest lines as they arrive and, after a few seconds, which ranks are still running.
+
+Why it cannot disturb the stored or the compared outputs: the display starts *empty*, is
+filled by ``update_display_data`` messages, and is emptied again when the launch ends.
+``nbclient`` (the build) applies the updates: it stores an empty display. ``nbval`` ignores
+updates: it sees the empty display it was created as. An empty display has no data, so it
+compares equal under both, and nbval merges the stream output around it (the replay) into one.
+Outside Jupyter (a script, pytest) nothing is shown.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+
+from course.worker import Job, NoiseFilter
+
+TICK = 0.25  # seconds between looks at the ranks' output files
+SHOW_AFTER = 0.5  # seconds: a quick launch shows only its replay, without flicker
+STATUS_AFTER = 3.0  # seconds after which the display also says which ranks still run
+LINES = 20  # the display keeps the latest lines only
+
+
+def in_jupyter() -> bool:
+    """True in a Jupyter kernel (where a display can be updated), False in a script or a terminal."""
+    if "ipykernel" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+class LiveOutput:
+    """Reads the ranks' output files from where it last stopped and shows the newest lines."""
+
+    def __init__(self, job: Job, ranks):
+        from IPython.display import display
+
+        self.job, self.ranks = job, list(ranks)
+        self.offsets = {r: 0 for r in self.ranks}
+        self.partial = {r: b"" for r in self.ranks}
+        self.lines = deque(maxlen=LINES)
+        self.noise = NoiseFilter()
+        self.started = time.monotonic()
+        self.shown = ""
+        self.handle = display(display_id=True)  # empty until there is something to show
+
+    def update(self, running):
+        """Show new lines, and after STATUS_AFTER seconds the ranks in ``running``."""
+        elapsed = time.monotonic() - self.started
+        if elapsed < SHOW_AFTER:
+            return
+        for rank in self.ranks:
+            self._read(rank)
+        text = "\n".join(self.lines)
+        if running and elapsed >= STATUS_AFTER:
+            text += f"\n… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}"
+        if text.strip() and text != self.shown:
+            self.handle.update({"text/plain": text}, raw=True)
+            self.shown = text
+
+    def close(self):
+        """Empty the display: the launch's rank-ordered replay follows it."""
+        if self.shown:
+            self.handle.update({}, raw=True)
+
+    def _read(self, rank):
+        try:
+            with open(self.job.output_path(rank), "rb") as f:
+                f.seek(self.offsets[rank])
+                new = f.read()
+        except FileNotFoundError:
+            return
+        self.offsets[rank] += len(new)
+        *complete, self.partial[rank] = (self.partial[rank] + new).split(b"\n")
+        for raw in complete:
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            if self.noise.keep(line):
+                self.lines.append(f"[rank {rank}] {line}")

@@ -1,0 +1,386 @@
+"""The worker protocol: what every rank runs, and how its report comes home, whoever started it.
+
+A launcher only decides how rank processes start and stop (:mod:`course.launcher` forks or
+spawns them, :mod:`course.mpi` lets ``mpirun`` start them). Everything else is here, once:
+
+* :class:`Job`: what every rank of one launch needs to know (world size, backend, folder, ...).
+* :func:`pack` / :func:`unpack`: ``fn``, its arguments and a registered backend as bytes, for
+  processes that do not inherit them (spawn, mpirun).
+* :func:`run_rank`, in the rank's process: output to ``rankN.out``, environment, threads,
+  process group, ``fn(rank, world_size, *args)``, and one :class:`Report` to send home.
+* :func:`collect`, in the launcher: the results in rank order, or a :class:`WorkerError` that
+  names the rank whose failure came first.
+* :func:`replay_output`: what the ranks printed, grouped in rank order, prefixed ``[rank r]``,
+  without the lines torch itself adds on some versions (:class:`NoiseFilter`).
+
+A new launcher starts ``world_size`` processes that each call :func:`run_rank` and send the
+:class:`Report` back by any means (a pipe, a file), then calls :func:`collect`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class WorkerError(RuntimeError):
+    """A rank failed. ``rank`` is the rank whose failure came first; ``traceback`` is
+    its traceback as text; ``failed`` maps every rank that failed to a one-line reason."""
+
+    def __init__(self, message, rank=None, traceback="", failed=None):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.failed = failed or {}
+
+
+class WorkerTimeoutError(WorkerError):
+    """Some ranks had not finished when the launch's ``timeout`` ran out.
+    ``ranks`` lists them; ``stacks`` maps each one to where its Python code was stuck."""
+
+    def __init__(self, message, ranks, stacks):
+        super().__init__(message, rank=ranks[0], failed={r: "timed out" for r in ranks})
+        self.ranks = ranks
+        self.stacks = stacks
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank of one launch needs to know."""
+
+    world_size: int
+    workdir: str  # a fresh folder: rankN.out (output), the FileStore, ...
+    backend: str = "gloo"
+    timeout: float = 60.0  # the launch's; collectives get a minute more
+    threads: int = 1  # torch intra-op threads per rank
+    env: dict = field(default_factory=dict)  # set in each rank before anything else
+    init_process_group: bool = True  # False: fn calls init_process_group itself (env://)
+    launcher: str = "course.launch"  # COURSE_LAUNCHER in the ranks, read by course.distenv
+
+    def output_path(self, rank: int) -> Path:
+        return Path(self.workdir, f"rank{rank}.out")
+
+
+@dataclass
+class Report:
+    """One rank's outcome: its pickled result, or why it failed."""
+
+    rank: int
+    result: bytes | None = None  # pickled return value; None if the rank failed
+    summary: str = ""  # the failure in one line, e.g. "ValueError: bad batch"
+    traceback: str = ""
+    time: float = 0.0  # time.monotonic() of the failure: the earliest is the cause
+    consequence: bool = False  # it failed because a peer had died ("Connection closed by peer")
+    hint: str = ""  # what to do about it, when we know
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+    @classmethod
+    def from_exception(cls, rank, e):
+        summary = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        return cls(
+            rank,
+            summary=summary,
+            traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)),
+            time=time.monotonic(),
+            consequence=any(text in summary for text in PEER_GONE),
+            hint=_hint(e),
+        )
+
+    @classmethod
+    def from_exit_code(cls, rank, code):
+        """A process that died without a word (killed, ``os._exit``)."""
+        import signal
+
+        how = f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+        return cls(rank, summary=f"process {how} without a Python exception", time=time.monotonic())
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+DOUBLE_INIT = "trying to initialize the default process group twice"
+
+
+def _hint(e):
+    if DOUBLE_INIT in str(e):
+        return (
+            "course.launch already initialised the process group; pass init_process_group=False "
+            "to course.launch (your code then does it, with RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT set for env://), or remove init_process_group from your function."
+        )
+    return ""
+
+
+# --------------------------------------------------------------------------- backends and payloads
+
+
+@dataclass(frozen=True)
+class RegisteredBackend:
+    """A backend registered with ``dist.Backend.register_backend`` (e.g. course.tracing's "traced")."""
+
+    name: str
+    creator: object  # creator_fn(store, rank, world_size, timeout) -> ProcessGroup backend
+    extended_api: bool
+    devices: list | None
+
+    def register(self):
+        """In a fresh (spawned, mpirun) process: register it as the parent had."""
+        import torch.distributed as dist
+
+        if registered_backend(self.name) is None:
+            dist.Backend.register_backend(self.name, self.creator, extended_api=self.extended_api, devices=self.devices)
+
+
+def registered_backend(name: str) -> RegisteredBackend | None:
+    """The backend registered under ``name`` in this process, or None."""
+    import torch.distributed as dist
+
+    plugin = getattr(dist.Backend, "_plugins", {}).get(name.upper())
+    if plugin is None:
+        return None
+    devices = dist.Backend.backend_capability.get(name.lower())
+    return RegisteredBackend(name.lower(), plugin.creator_fn, plugin.extended_api, devices)
+
+
+def check_backend(backend: str) -> RegisteredBackend | None:
+    """``None`` for the built-in backends, the registration for a registered one; else a clear error."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name such as 'gloo', got {backend!r}.")
+    if backend in ("gloo", "nccl"):
+        return None
+    plugin = registered_backend(backend)
+    if plugin is None:
+        raise ValueError(
+            f"Unknown backend {backend!r}. Use 'gloo' for CPU tensors, 'nccl' for CUDA GPUs, or a name "
+            "registered with torch.distributed.Backend.register_backend (for the course's 'traced' "
+            "backend, `import course.tracing` first)."
+        )
+    return plugin
+
+
+def check_world_size(world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1 (the number of ranks), got {world_size!r}.")
+
+
+def pack(fn, args, backend: RegisteredBackend | None = None) -> bytes:
+    """``fn`` (even one defined in a notebook), its arguments and a backend, as bytes, by value."""
+    try:
+        import cloudpickle
+    except ImportError as e:
+        raise RuntimeError("Starting ranks that do not fork needs cloudpickle: pip install cloudpickle") from e
+    try:
+        return cloudpickle.dumps((fn, args, backend))
+    except Exception as e:
+        raise TypeError(f"fn and its arguments must be picklable to start ranks that do not fork: {e}") from e
+
+
+def unpack(payload):
+    """``(fn, args, backend)`` from :func:`pack`'s bytes (a tuple passes through: forked ranks)."""
+    if isinstance(payload, tuple):
+        return payload
+    import cloudpickle  # noqa: F401  (registers what cloudpickle-made bytes need)
+
+    return pickle.loads(payload)
+
+
+# --------------------------------------------------------------------------- in the rank
+
+
+def run_rank(rank: int, job: Job, payload) -> Report:
+    """Run one rank: output to ``job.output_path(rank)``, environment, threads, process group,
+    ``fn(rank, world_size, *args)``. Returns its :class:`Report`; never raises. Leaves the
+    process group up: the launcher ends the process once every rank has reported."""
+    try:
+        redirect_output(job.output_path(rank))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(job.world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(job.world_size),
+            OMP_NUM_THREADS=str(job.threads),
+            COURSE_LAUNCHER=job.launcher,
+        )
+        os.environ.update(job.env)
+        import torch
+
+        torch.set_num_threads(job.threads)  # the first torch call after a fork (see course.launcher)
+        fn, args, backend = unpack(payload)
+        if backend is not None:
+            backend.register()
+        if job.init_process_group:
+            init_process_group(rank, job)
+        result = fn(rank, job.world_size, *args)
+        report = Report(rank, result=_pickle_result(result, rank))
+    except BaseException as e:  # report it, whatever it is (SystemExit included)
+        report = Report.from_exception(rank, e)
+    flush_output()
+    return report
+
+
+def init_process_group(rank: int, job: Job):
+    """Join the job's process group through a FileStore in its folder: no port to choose."""
+    import torch
+    import torch.distributed as dist
+
+    device_id = None
+    if job.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend=job.backend,
+        init_method=Path(job.workdir, "store").as_uri(),
+        rank=rank,
+        world_size=job.world_size,
+        # Longer than the launch's own timeout, so that a hang is reported by the
+        # launcher (naming the stuck ranks) rather than by a collective's timeout.
+        timeout=datetime.timedelta(seconds=job.timeout + 60),
+        device_id=device_id,
+    )
+
+
+def redirect_output(path):
+    """Send fds 1 and 2 (Python and C/C++ output) to one file, in the order written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Replace, do not flush, the inherited streams: in a forked Jupyter kernel they
+    # would send the parent's buffered text to the notebook a second time.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+
+
+def flush_output():
+    """Flush Python's streams and C stdio's buffers (C++ ``std::cout`` shares them)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
+
+
+def _pickle_result(result, rank):
+    try:
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(
+            f"rank {rank} returned a value that cannot be sent back to the notebook ({e}). "
+            "Return plain data: numbers, lists, dicts, or tensors with .detach()."
+        ) from e
+
+
+# --------------------------------------------------------------------------- in the launcher
+
+
+def collect(reports: dict, world_size: int, missing: str = "") -> list:
+    """The ranks' results in rank order, or raise :class:`WorkerError`.
+
+    ``reports`` maps rank -> :class:`Report`. The cause named is the earliest failure that is
+    not just a peer noticing another rank's death; ``missing`` explains ranks with no report."""
+    errors = {r: rep for r, rep in reports.items() if not rep.ok}
+    if errors:
+        causes = [r for r in errors if not errors[r].consequence] or list(errors)
+        first = min(causes, key=lambda r: errors[r].time)
+        cause = errors[first]
+        message = f"rank {first} of {world_size} failed: {cause.summary}"
+        if cause.hint:
+            message += f"\n{cause.hint}"
+        others = [r for r in sorted(errors) if r != first]
+        if others:  # usually 'Connection closed by peer': a consequence, not a cause
+            message += f"\n(rank(s) {', '.join(map(str, others))} then failed too; details in .failed)"
+        message += "\nThe other ranks were stopped."
+        if cause.traceback:
+            message += f"\n\nTraceback from rank {first}:\n{cause.traceback}"
+        failed = {r: e.summary for r, e in errors.items()}
+        raise WorkerError(message, rank=first, traceback=cause.traceback, failed=failed)
+    absent = [r for r in range(world_size) if r not in reports]
+    if absent:
+        raise WorkerError(f"rank(s) {', '.join(map(str, absent))} sent no result. {missing}".strip(), rank=absent[0])
+    return [pickle.loads(reports[r].result) for r in range(world_size)]
+
+
+def ranks_to_show(show, world_size):
+    """``show`` ("all", None, a rank or a list of ranks) as a sorted list of ranks."""
+    if show == "all":
+        return list(range(world_size))
+    if show is None:
+        return []
+    ranks = [show] if isinstance(show, int) and not isinstance(show, bool) else show
+    if not isinstance(ranks, (list, tuple, range)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in ranks
+    ):
+        raise ValueError(f"show must be 'all', None, a rank or a list of ranks in 0..{world_size - 1}, got {show!r}.")
+    return sorted(set(ranks))
+
+
+class NoiseFilter:
+    """Drops the rank output that torch itself adds on some versions, by exact pattern:
+
+    * gloo's ``[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer
+      ranks is : 1`` (printed by every rank at init on torch 2.8);
+    * a warning from torch's own code that another rank (or line) already showed: every rank
+      prints the same ``FutureWarning``/``DeprecationWarning``/``UserWarning``; it is kept once,
+      where it first appears. C++ warnings (``[W1123 04:00:00.123 4567 file.cpp:12] Warning: ...``)
+      carry a time and a pid: they are compared without them.
+    """
+
+    GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+$")
+    CPP_WARNING = re.compile(r"^\[W\d{4} [\d:.]+ \d+ ([^\]]+)\] (Warning: .*)$")
+
+    def __init__(self):
+        import torch
+
+        self.torch_dir = os.path.dirname(torch.__file__) + os.sep
+        self.python_warning = re.compile(
+            re.escape(self.torch_dir) + r"\S*:\d+: (?:Future|Deprecation|User)Warning: .*$"
+        )
+        self.seen = set()
+        self.skip_source_line = False
+
+    def keep(self, line: str) -> bool:
+        if self.skip_source_line:  # the source line Python prints under a warning
+            self.skip_source_line = False
+            if line.startswith("  "):
+                return False
+        if self.GLOO_CONNECTED.match(line):
+            return False
+        cpp = self.CPP_WARNING.match(line)
+        key = cpp.group(1, 2) if cpp else line if self.python_warning.match(line) else None
+        if key is None:
+            return True
+        if key in self.seen:
+            self.skip_source_line = not cpp
+            return False
+        self.seen.add(key)
+        return True
+
+
+def read_output(job: Job, rank: int) -> str:
+    path = job.output_path(rank)
+    return path.read_bytes().decode("utf-8", errors="replace") if path.exists() else ""
+
+
+def replay_output(job: Job, ranks):
+    """Print what ``ranks`` printed, grouped in rank order, each line prefixed ``[rank r]``."""
+    noise = NoiseFilter()
+    for rank in ranks:
+        for line in read_output(job, rank).splitlines():
+            if noise.keep(line):
+                print(f"[rank {rank}] {line}".rstrip())
+    sys.stdout.flush()
