@@ -37,6 +37,29 @@ def oldest_supported(package="torch"):
     return None
 
 
+# Notebooks 11-13 (FSDP2, DTensor and pipelining on the traced backend, torch.distributed.pipelining's
+# tracer) were tested on torch 2.15; on torch 2.8 parts of them fail (measured), versions in between
+# are untested. Part I and notebook 10 work from the course's floor (pyproject) up.
+PART_II_TORCH = "2.15"
+
+
+def torch_at_least(minimum: str) -> bool:
+    import torch
+
+    return _version(torch.__version__) >= _version(minimum)
+
+
+def require_torch(minimum: str, what: str):
+    """Raise a clear error, saying what to install, if this torch is older than ``minimum``."""
+    import torch
+
+    if not torch_at_least(minimum):
+        raise RuntimeError(
+            f"{what} needs torch >= {minimum} (it is tested on {minimum}; older releases lack what it uses); "
+            f'this is torch {torch.__version__}. Install a newer pair: pip install -U "torch>={minimum}" torchvision'
+        )
+
+
 def _ddp_trace(rank, world_size):
     """One DDP step on the traced backend; the collectives it recorded."""
     import torch
@@ -116,5 +139,8 @@ def doctor() -> int:
                     + (f" (>= {oldest})" if oldest else ""))
     else:
         ok &= _line("all_reduce" in ops and torch.equal(grad0, grad1), what, ", ".join(ops))
+    part_ii = torch_at_least(PART_II_TORCH)
+    _line(None, "notebooks 11-13 (FSDP2, tensor and pipeline parallelism)",
+          "can run here" if part_ii else f"need torch >= {PART_II_TORCH}; Part I and notebook 10 run on this torch")
     print("All good: the course runs here." if ok else "Something above failed: see README.md, Troubleshooting.")
     return 0 if ok else 1

@@ -35,3 +35,15 @@ def test_the_floor_is_read_from_the_installed_package_metadata():
     if floor is None:
         pytest.skip("the course is not installed (running from a checkout on PYTHONPATH)")
     assert doctor._version(floor) >= (2, 8)
+
+
+def test_require_torch_names_the_version_and_the_fix():
+    import torch
+
+    from course.doctor import PART_II_TORCH, require_torch, torch_at_least
+
+    require_torch("2.0", "Notebook X")  # older than any supported torch: fine
+    with pytest.raises(RuntimeError, match=r"Notebook X needs torch >= 99\.0.*pip install -U"):
+        require_torch("99.0", "Notebook X")
+    assert torch_at_least(torch.__version__.split("+")[0]) and not torch_at_least("99.0")
+    assert isinstance(PART_II_TORCH, str)

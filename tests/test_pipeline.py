@@ -13,8 +13,16 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 from course import pipeline as cp
+from course.doctor import PART_II_TORCH, torch_at_least
 from course.launcher import launch
 from course.notebooks import SOLUTIONS
+
+# Measured on torch 2.8: these fail there (the library's schedules and tracer changed since); the
+# course declares notebooks 11-13 for torch >= PART_II_TORCH (course/doctor.py, README).
+needs_part_ii_torch = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-13 need torch >= {PART_II_TORCH}"
+)
+
 
 NOTEBOOK = SOLUTIONS / "13_pipeline_parallel.ipynb"
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
@@ -114,6 +122,7 @@ def _library(rank, world_size, schedule_class, m, pipe=None):
     return {"grads": [p.grad for p in stage_module.parameters()], "order": order, "counts": counts}
 
 
+@needs_part_ii_torch
 @pytest.mark.parametrize("schedule_class, schedule", [(ScheduleGPipe, "gpipe"), (Schedule1F1B, "1f1b")])
 def test_library_schedules_equal_the_hand_written_ones(schedule_class, schedule):
     p, m = 4, 8
@@ -127,6 +136,7 @@ def test_library_schedules_equal_the_hand_written_ones(schedule_class, schedule)
     assert [r["counts"] for r in library] == [[(m + 1, m), (m, m)]] + [[(m + 1, m + 1), (m, m)]] * (p - 1)
 
 
+@needs_part_ii_torch
 def test_the_pipeline_tracer_splits_where_told_and_equals_the_hand_written_pipeline():
     m = 4
     x, _ = cp.make_batch()

@@ -20,9 +20,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import course.memory
 import course.zero
 from course import launch
+from course.doctor import PART_II_TORCH, torch_at_least
 from course.memory import bytes_per_rank, storage_bytes
 from course.notebooks import SOLUTIONS, solution_code
 from course.zero import flat_padded, zero1_setup, zero1_step
+
+# Measured on torch 2.8: these fail there (FSDP2 differs there); the
+# course declares notebooks 11-13 for torch >= PART_II_TORCH (course/doctor.py, README).
+needs_part_ii_torch = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-13 need torch >= {PART_II_TORCH}"
+)
+
 
 NOTEBOOK = SOLUTIONS / "11_zero_and_fsdp.ipynb"
 
@@ -133,6 +141,7 @@ def _train_fsdp(rank, world_size, steps=3):
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
+@needs_part_ii_torch
 def test_fsdp2_trains_like_one_process():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
