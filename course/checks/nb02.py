@@ -24,16 +24,16 @@ def run_with_torchrun(script: str, nproc: int, timeout: float = 120) -> subproce
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "script.py")
         path.write_text(script, encoding="utf-8")
-        # Without PYTHONUNBUFFERED each process writes its output in one piece (print() unbuffered writes
-        # the text and the newline separately, and the processes' lines could interleave).
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES + ("PYTHONUNBUFFERED",)}
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set anyway (it prints a banner when it has to)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
 
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_LINE = re.compile(r"^rank (\d+) of (\d+): sum (\S+)$", re.M)
+# The processes write to one pipe at once: a line can be cut in two by another process's line, so the
+# results are picked out of the text rather than read line by line.
+_LINE = re.compile(r"rank (\d+) of (\d+): sum ([-+\d.e]+?)(?=rank |\s|$)")
 
 
 @exercise("Exercise 1 (setup by hand)", hint="read RANK and WORLD_SIZE from os.environ, call dist.init_process_group(\"gloo\", init_method=\"env://\", ...), all_reduce a tensor holding rank + 1, print, then dist.destroy_process_group().")
