@@ -32,6 +32,15 @@ def run_pytest(args):
     return time.perf_counter() - start, done.returncode == 0
 
 
+def failures(junit_xml):
+    """The test cases of a JUnit report that failed or errored, as 'classname::name'."""
+    return [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in ET.parse(junit_xml).iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+
+
 def seconds_per_file(junit_xml):
     """{file: seconds} summed over the test cases of a JUnit report (nbval: one per cell)."""
     totals = collections.Counter()
@@ -77,12 +86,15 @@ def time_suite():
         report = Path(tmp, "junit.xml")
         seconds, ok = run_pytest([f"--junitxml={report}"])
         per_file = seconds_per_file(report) if report.exists() else {}
+        failed = failures(report) if report.exists() else []
     notebooks = sorted(f for f in per_file if f.endswith(".ipynb"))
     rows = [[f, f"{per_file[f]:.1f}"] for f in notebooks]
     rest = sum(t for f, t in per_file.items() if not f.endswith(".ipynb"))
     rows.append(["tests/ (all other tests)", f"{rest:.1f}"])
     common.table(["inside the suite", "seconds"], rows)
     verdict = "met" if seconds <= SUITE_LIMIT_S else "MISSED"
+    for name in failed:
+        print(f"FAILED {name}")
     print(f"\nwhole suite (pytest): {seconds:.0f} s wall, {'passed' if ok else 'FAILED'} (target <= {SUITE_LIMIT_S} s: {verdict})")
 
 

@@ -40,7 +40,7 @@ def test_benchmark_runs_and_prints_its_table(script, tmp_path):
 
 def test_notebook_times_sums_the_cells_of_each_file(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from notebook_times import seconds_per_file
+    from notebook_times import failures, seconds_per_file
 
     report = tmp_path / "junit.xml"
     report.write_text(
@@ -49,6 +49,8 @@ def test_notebook_times_sums_the_cells_of_each_file(tmp_path):
         '<testcase classname="solutions.02_x.ipynb" name="Cell 1" time="2.0"/>'
         '<testcase classname="notebooks.02_x.ipynb" name="Cell 0" time="0.25"/>'
         '<testcase classname="tests.test_launcher" name="test_a" time="3.0"/>'
+        '<testcase classname="tests.test_launcher" name="test_b" time="0.5"><failure message="x"/></testcase>'
         "</testsuite></testsuites>"
     )
-    assert seconds_per_file(report) == {"solutions/02_x.ipynb": 3.5, "notebooks/02_x.ipynb": 0.25, "tests.test_launcher": 3.0}
+    assert seconds_per_file(report) == {"solutions/02_x.ipynb": 3.5, "notebooks/02_x.ipynb": 0.25, "tests.test_launcher": 3.5}
+    assert failures(report) == ["tests.test_launcher::test_b"]
