@@ -17,9 +17,11 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   function defined in a notebook lives in ``__main__``, which a fresh process cannot
   import. On Linux we therefore ``fork``: the child is a copy of the kernel, so ``fn``
   (closures included) is simply there, and starting a rank costs milliseconds because
-  torch is already imported. On macOS and Windows, where fork is unsafe or missing, we
-  ``spawn`` and send ``fn`` by value with ``cloudpickle`` (slower: each rank imports
-  torch). Pass ``start_method=`` to choose yourself.
+  torch is already imported. On macOS and Windows, where fork is unsafe or missing, and
+  on any machine with a CUDA GPU (where forked ranks break once the notebook has run a
+  backward pass: see :func:`default_start_method`), we ``spawn`` and send ``fn`` by
+  value with ``cloudpickle`` (slower: each rank imports torch). Pass ``start_method=``
+  to choose yourself.
 * **Imports.** Forked ranks inherit the notebook's imported modules; ``launch`` imports
   the one DDP loads lazily (``torch._dynamo``, seconds) before forking, once per kernel.
 * **Threads.** OpenMP is not fork-safe: once the kernel has run a multi-threaded torch
@@ -80,6 +82,8 @@ from course.worker import (
 __all__ = ["launch", "WorkerError", "WorkerTimeoutError", "default_threads", "default_start_method"]
 
 START_METHODS = ("fork", "spawn")
+STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
+STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
 
 def default_threads(world_size: int) -> int:
@@ -92,15 +96,22 @@ def default_threads(world_size: int) -> int:
 
 
 def default_start_method(backend: str = "gloo") -> str:
-    """``fork`` on Linux (fast, works with notebook functions), ``spawn`` elsewhere.
-    Also ``spawn`` when this process has already initialised CUDA, which fork cannot copy."""
+    """``fork`` on Linux (fast, works with notebook functions), ``spawn`` elsewhere, and
+    ``spawn`` on any machine with a CUDA GPU.
+
+    A fork copies the process but not its threads, and CUDA's driver state cannot be
+    used in a forked child. With a GPU visible, the parent's first ``backward()`` starts
+    autograd's per-GPU threads and initialises the driver; from then on every forked
+    rank fails in its own backward ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing") or at its first CUDA call (measured
+    on torch 2.11 with one H100: most notebooks of this course broke that way). A
+    spawned rank is a fresh interpreter: slower to start, and always safe."""
     if sys.platform != "linux":
         return "spawn"
-    if backend == "nccl":
-        import torch
+    import torch
 
-        if torch.cuda.is_initialized():
-            return "spawn"
+    if torch.cuda.is_available():
+        return "spawn"
     return "fork"
 
 
@@ -123,7 +134,8 @@ def launch(
     rank order, so they must be picklable (return ``tensor.detach()``, numbers, dicts, ...).
 
     Options:
-        timeout:      seconds before unfinished ranks are killed (default 60).
+        timeout:      seconds before unfinished ranks are killed (default 60), counted
+                      from when every rank has started (a spawned rank imports torch first).
         show:         whose printed output to show: ``"all"``, one rank (``0``),
                       a list of ranks, or ``None`` for nobody.
         threads:      torch intra-op threads per rank. Always 1 with fork (OpenMP
@@ -132,8 +144,10 @@ def launch(
                       name registered with ``torch.distributed.Backend.register_backend``
                       (e.g. ``"traced"``, from :mod:`course.tracing`).
         start_method: ``"fork"`` (default on Linux) or ``"spawn"`` (default on macOS
-                      and Windows; ``fn`` is sent with cloudpickle; in a script, as
-                      always with spawn, call launch under ``if __name__ == "__main__":``).
+                      and Windows, and wherever a CUDA GPU is visible: see
+                      :func:`default_start_method`; ``fn`` is sent with cloudpickle; in a
+                      script, as always with spawn, call launch under
+                      ``if __name__ == "__main__":``).
         env:          extra environment variables set in each rank before it starts.
         init_process_group: ``False`` leaves the process group to ``fn`` (code written for
                       ``mp.spawn`` or torchrun): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
@@ -266,7 +280,11 @@ def _supervise(procs, readers, job, display):
     """Wait for every rank's :class:`Report`; stop at the first failure or at the timeout."""
     world_size = len(procs)
     reports = {}
-    deadline = time.monotonic() + job.timeout
+    # The timeout counts from when every rank has started (imports done): spawned ranks take
+    # seconds to import torch, forked ones milliseconds. A rank stuck starting up is given
+    # STARTUP_LIMIT seconds before the clock starts anyway.
+    startup_ends = time.monotonic() + STARTUP_LIMIT
+    deadline = None
     pending = dict(zip(readers, range(world_size)))  # ranks that have not reported yet
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
 
@@ -282,7 +300,11 @@ def _supervise(procs, readers, job, display):
         return any(not r.ok for r in reports.values())
 
     while len(reports) < world_size and not failed():
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        if deadline is None and (now > startup_ends or all(
+                r in reports or job.started_path(r).exists() for r in range(world_size))):
+            deadline = now + job.timeout
+        remaining = deadline - now if deadline is not None else STARTUP_POLL
         if remaining <= 0:
             _raise_timeout(procs, reports, job)
         ready = wait(list(pending) + list(sentinels), timeout=min(remaining, live.TICK) if display else remaining)

@@ -67,6 +67,10 @@ class Job:
     def output_path(self, rank: int) -> Path:
         return Path(self.workdir, f"rank{rank}.out")
 
+    def started_path(self, rank: int) -> Path:
+        """Exists once the rank has started: imports done, ``fn`` unpickled (spawn takes seconds)."""
+        return Path(self.workdir, f"rank{rank}.started")
+
 
 @dataclass
 class Report:
@@ -216,6 +220,7 @@ def run_rank(rank: int, job: Job, payload) -> Report:
         fn, args, backend = unpack(payload)
         if backend is not None:
             backend.register()
+        job.started_path(rank).touch()  # the launch's timeout counts from here
         if job.init_process_group:
             init_process_group(rank, job)
         result = fn(rank, job.world_size, *args)

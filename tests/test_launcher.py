@@ -297,6 +297,38 @@ def test_workers_die_with_the_kernel(tmp_path, how):
     assert _wait_gone(pids) == []
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="fork is the default on Linux only")
+def test_a_machine_with_a_cuda_gpu_starts_ranks_with_spawn(monkeypatch):
+    # Measured on one H100 (torch 2.11): after one backward() in the parent, forked ranks fail in
+    # their own backward ("autograd's threading in combination with fork-based multiprocessing").
+    from course.launcher import default_start_method
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_start_method("gloo") == "fork"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_start_method("gloo") == default_start_method("nccl") == "spawn"
+
+
+class SlowToUnpickle:
+    """An argument that takes 2 s to unpickle in a spawned rank: start-up time, like importing torch."""
+
+    def __reduce__(self):
+        return (_sleep_then_make, (2.0,))
+
+
+def _sleep_then_make(seconds):
+    time.sleep(seconds)
+    return "unpickled"
+
+
+def test_the_timeout_counts_from_when_every_rank_has_started():
+    # Spawned ranks on a busy machine take seconds to start; a 1 s timeout must not count that.
+    assert launch(lambda r, w, slow: slow, 2, SlowToUnpickle(), timeout=1, start_method="spawn", show=None) == ["unpickled"] * 2
+    with pytest.raises(WorkerTimeoutError) as stuck:  # ... but once started, the timeout holds
+        launch(lambda r, w, slow: time.sleep(30), 2, SlowToUnpickle(), timeout=1, start_method="spawn", show=None)
+    assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting
+
+
 def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(tmp_path):
     with pytest.raises(ValueError, match="start_method='spawn'"):
         launch(lambda r, w: None, 1, threads=2, start_method="fork")
