@@ -218,14 +218,15 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     # of the notebook's except the module; x.f(...) or f(x) may change x.
     changes = {i: n["binds"] | n["stored"] | (n["changes"] - modules) for i, n in names.items() if n}
     # forward: which cells depend on a stub. A dependent cell may also have changed any
-    # object it read (it may pass `model` to the student's function), except a module.
+    # object it read (it may pass `model` to the student's function), except a module;
+    # what it imports is the same object in both versions (`from course.checks import nb03 as check`).
     tainted, dependent = set(), set()
     for i, cell in cells:
         n = names[i]
         if solution.get(cell.get("id")) != cell.source or n is None or n["reads"] & tainted:
             dependent.add(i)
             if n is not None:
-                tainted |= changes[i] | (n["reads"] - modules)
+                tainted |= (changes[i] - n["imports"]) | (n["reads"] - modules)
     # backward: keep the dependent cells and whatever they (transitively) need
     needed, keep = set(), []
     for i, cell in reversed(cells):

@@ -142,7 +142,13 @@ def test_setup_picks_nccl_and_this_ranks_gpu_when_every_local_rank_has_one(fake_
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    env, device = course.train.setup(environ=SLURM_4_NODES)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        env, device = course.train.setup(environ=SLURM_4_NODES)
+        assert torch.are_deterministic_algorithms_enabled()  # exact resume on a GPU needs it
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
     (args, kwargs), = fake_init
     assert args == ("nccl",) and device == torch.device("cuda", 1) and chosen == [device]
     assert kwargs["device_id"] == device
