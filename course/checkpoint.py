@@ -17,10 +17,12 @@ Why each piece (notebook 07 demonstrates every point):
 * **Random state is per rank.** Each rank draws its own dropout masks, so
   :func:`training_state` gathers every rank's RNG states (it is a collective: call it on
   every rank) and :func:`restore_training_state` gives each rank its own back.
-* **Atomic write.** :func:`save_checkpoint` writes a temporary file in the same folder,
-  flushes it to disk (``fsync``), and renames it over the old checkpoint with
-  ``os.replace``. A rename within one file system is atomic: a process killed at any
-  moment leaves either the old checkpoint or the new one, never a half-written file.
+* **Atomic write.** :func:`save_checkpoint` calls :func:`atomic_save` (notebook 07's
+  Exercise 2: a test asserts it is the same code), which writes a temporary file in the
+  same folder, flushes it to disk (``fsync``), and renames it over the old checkpoint
+  with ``os.replace``. A rename within one file system is atomic: a process killed at
+  any moment leaves either the old checkpoint or the new one, never a half-written
+  file. Then :func:`fsync_folder` puts the rename itself on disk.
 * **Safe loading.** A checkpoint is a pickle, and unpickling can run arbitrary code.
   :func:`load_checkpoint` uses ``torch.load(..., weights_only=True)``, which only
   rebuilds tensors and plain containers. So everything saved here is plain data: the
@@ -63,21 +65,40 @@ def save_checkpoint(state: dict, path) -> Path:
     if not isinstance(state, dict):
         raise TypeError(f"save_checkpoint() saves a dict (e.g. from training_state()), got {type(state).__name__}.")
     path = Path(path)
-    folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target: os.replace is only atomic within one file system.
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save({**state, "format": FORMAT}, path)
+    fsync_folder(path.parent)  # make the rename itself survive a power cut
+    return path
+
+
+def atomic_save(obj, path):
+    """torch.save(obj, path), but a crash leaves the old file or the new one, never a partial file."""
+    folder, name = os.path.split(os.path.abspath(path))
+    # In the same folder: os.replace is atomic only within one file system.
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({**state, "format": FORMAT}, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+            torch.save(obj, f)
+            f.flush()  # Python's buffer -> the operating system
+            os.fsync(f.fileno())  # the operating system's cache -> the disk
         os.replace(tmp, path)  # atomic: the old file until here, the new one after
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException:  # a failed save (even Ctrl-C) leaves no temporary file behind
+        os.unlink(tmp)
         raise
-    _fsync_folder(folder)  # make the rename itself survive a power cut
-    return path
+
+
+def fsync_folder(folder):
+    """Make the renames in ``folder`` survive a power cut: fsync the folder itself (POSIX)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # Windows cannot open a folder
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 def die_halfway(real_save):
@@ -95,19 +116,6 @@ def die_halfway(real_save):
         os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of the save
 
     return save
-
-
-def _fsync_folder(folder: Path):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # Windows cannot open a folder; its rename is durable enough
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:

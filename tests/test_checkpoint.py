@@ -372,20 +372,67 @@ def test_training_state_gathers_every_ranks_rng_and_drops_the_module_prefix():
     assert torch.equal(states[0]["rng"][1]["torch"], torch.get_rng_state())  # rank 1's own state
 
 
-def test_save_checkpoint_follows_the_notebooks_atomic_save():
-    """Notebook 07's exercise derives atomic_save; save_checkpoint is that recipe: same steps, same order."""
+NOTEBOOK = Path(__file__).parent.parent / "solutions" / "07_checkpointing.ipynb"
+
+
+def _defined_in_notebook(name):
+    """The source of ``def name(...)`` in notebook 07, solution markers removed."""
+    import re
+
+    import nbformat
+
+    from course.notebooks import solution_code
+
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.cell_type == "code":
+            match = re.search(rf"^def {name}\(.*?(?=^\S|\Z)", solution_code(cell.source) + "\n", re.M | re.S)
+            if match:
+                return match.group(0).rstrip()
+    raise AssertionError(f"{name} is not defined in {NOTEBOOK.name}")
+
+
+@pytest.mark.parametrize("name", ["atomic_save", "fsync_folder"])
+def test_notebook_derives_the_packages_atomic_save(name):
+    """Notebook 07 derives atomic_save (Exercise 2) and fsync_folder; the course holds the same code."""
     import inspect
 
-    from course.checkpoint import save_checkpoint
+    import course.checkpoint
     from course.exercises import solutions
 
-    steps = ["tempfile.mkstemp(dir=", "os.fdopen(fd, \"wb\")", "torch.save(", ".flush()", "os.fsync(f.fileno())", "os.replace(tmp, path)"]
-    for code in (solutions()["07"]["atomic_save"], inspect.getsource(save_checkpoint)):
-        code = code[code.index("mkstemp") - len("tempfile."):]  # from the first step on (past the docstring)
-        position = 0
-        for step in steps:
-            assert step in code[position:], (step, code)
-            position = code.index(step, position) + len(step)
+    assert _defined_in_notebook(name) == inspect.getsource(getattr(course.checkpoint, name)).rstrip()
+    if name == "atomic_save":  # what check.atomic_save.solution() shows is that code too
+        assert inspect.getsource(course.checkpoint.atomic_save).rstrip() in solutions()["07"]["atomic_save"]
+
+
+def test_save_checkpoint_is_atomic_save_then_fsync_folder(tmp_path, monkeypatch):
+    """save_checkpoint adds only a type check and a format tag to the notebook's two functions."""
+    import course.checkpoint
+
+    calls = []
+    monkeypatch.setattr(course.checkpoint, "atomic_save", lambda obj, path: calls.append(("atomic_save", obj, path)))
+    monkeypatch.setattr(course.checkpoint, "fsync_folder", lambda folder: calls.append(("fsync_folder", folder)))
+    path = tmp_path / "sub" / "c.pt"
+    assert course.checkpoint.save_checkpoint({"step": 1}, str(path)) == path
+    assert calls == [("atomic_save", {"step": 1, "format": course.checkpoint.FORMAT}, path), ("fsync_folder", path.parent)]
+
+
+def test_fsync_folder_fsyncs_the_folder_and_tolerates_what_cannot(tmp_path, monkeypatch):
+    import stat
+
+    from course.checkpoint import fsync_folder
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)), real_fsync(fd)))
+    fsync_folder(tmp_path)
+    assert synced == [True]
+
+    def refuse(fd):
+        raise OSError(22, "Invalid argument")  # what some file systems answer for a folder
+
+    monkeypatch.setattr(os, "fsync", refuse)
+    fsync_folder(tmp_path)  # no error
+    fsync_folder(tmp_path / "missing")  # cannot be opened (as on Windows): no error
 
 
 def test_die_halfway_leaves_half_a_file(tmp_path):
