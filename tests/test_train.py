@@ -177,10 +177,10 @@ def test_choose_device(monkeypatch, available, count, local_world_size, expected
 # ------------------------------------------------------------------ real runs, every launcher
 #
 # A launcher run costs mostly process start-up: torchrun's agent and every rank import torch
-# (seconds of CPU each), the training itself takes about a second. So the jobs are few, and
-# each one proves several things: the elastic run is also the test of plain standalone torchrun
-# and of a SIGKILLed rank; independent jobs run at the same time (proctree.run_all), in groups
-# of at most 4 ranks.
+# (seconds of CPU each); the 24 steps take about a second. So there are few jobs, and one job
+# proves several things: the elastic run is also the test of a c10d rendezvous between two
+# agents and of a SIGKILLed rank. Independent jobs run at the same time (proctree.run_all),
+# at most 4 ranks at once.
 
 
 def run_jobs(commands: dict, base, env=None, timeout=TIMEOUT) -> dict:
@@ -200,49 +200,67 @@ def test_under_course_launch_a_crash_names_the_rank():
     assert failure.value.failed[1] == "RuntimeError: simulated failure on rank 1 after step 4"
 
 
-def error_files(log_dir, attempt, local_rank):
-    """The error file torchrun gave one worker (``--log-dir``): @record writes the traceback there."""
-    return list(Path(log_dir).glob(f"*/attempt_{attempt}/{local_rank}/error.json"))
+def two_agents(node_rank_options, out, *train_args, log_dir=None):
+    """The commands you would type on two hosts (here both this one): a torchrun agent per 'node',
+    1 rank each; each agent writes its --log-dir and --out with the node's number."""
+    return [torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", *node_rank_options,
+                     *([f"--log-dir={log_dir}{node}"] if log_dir else []))
+            + [*train_args, "--out", f"{out}{node}.pt"] for node in (0, 1)]
 
 
 @pytest.fixture(scope="module")
-def standalone_jobs(tmp_path_factory):
-    """Two standalone torchrun jobs at once, each with 2 ranks and its own --log-dir:
+def failing_jobs(tmp_path_factory):
+    """Two torchrun jobs at once, in which a rank fails:
 
-    * "elastic": --max-restarts=1; rank 1 is killed (SIGKILL) after step 20; torchrun restarts
-      both ranks, they resume from the checkpoint of step 16 and finish the 24 steps;
-    * "record": --max-restarts=0; rank 1 raises after step 4."""
-    base = tmp_path_factory.mktemp("standalone")
+    * "elastic": two agents with a c10d rendezvous, like two nodes, --max-restarts=1; rank 1
+      is killed (SIGKILL) after step 20. Its agent restarts it, the other agent restarts rank 0
+      (the group changed), and the new ranks resume from the checkpoint of step 16;
+    * "record": standalone, 2 ranks, --max-restarts=0; rank 1 raises after step 4."""
+    base = tmp_path_factory.mktemp("failing")
     elastic, record = base / "elastic", base / "record"
+    port, = free_ports(1)
+    agents = two_agents(["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-job",
+                         "--max-restarts=1"], elastic / "w", "--checkpoint", elastic / "ckpt.pt",
+                        "--crash-at", "20", "--crash-how", "kill", log_dir=elastic / "logs")
     commands = {
-        "elastic": torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", f"--log-dir={elastic / 'logs'}")
-        + ["--checkpoint", elastic / "ckpt.pt", "--crash-at", "20", "--crash-how", "kill", "--out", elastic / "w.pt"],
+        0: agents[0], 1: agents[1],
         "record": torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=0", f"--log-dir={record / 'logs'}")
         + ["--checkpoint", record / "ckpt.pt", "--crash-at", "4", "--out", record / "w.pt"],
     }
     results = run_jobs(commands, base, clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
-    return {name: (results[name], base / name) for name in commands}
+    return {"elastic": ([results[0], results[1]], elastic), "record": (results["record"], record)}
 
 
-def test_torchrun_standalone_restarts_after_a_lost_rank_and_ends_with_the_same_weights(standalone_jobs, reference):
-    """Standalone torchrun trains exactly as course.launch does, even with a restart in the
-    middle: the first attempt (steps 1-20) and the resumed one (from step 16) together end with
-    the same weights as the run that never failed."""
-    result, folder = standalone_jobs["elastic"]
-    out = ok(result)
-    assert out.count("torchrun: 2 ranks, gloo on cpu") == 2  # two attempts
-    assert out.count("rank 1: local rank 1, node 0") == 2
-    assert "rank 1: crashing after step 20 (kill)" in out
-    assert "resumed from step 16 (epoch 0, 16 batches of it done)" in out
-    assert same(weights(folder / "w.pt"), reference)
+def test_two_agents_restart_after_a_lost_rank_and_end_with_the_same_weights(failing_jobs, reference):
+    """c10d rendezvous: the ranks are given out by the rendezvous and --node-rank is ignored.
+    The first attempt (steps 1-20) and the resumed one (from step 16) together end with the
+    same weights as the run that never failed."""
+    results, folder = failing_jobs["elastic"]
+    outputs = [ok(r) for r in results]
+    first = [re.search(r"rank (\d): local rank 0, node (\d)", out).groups() for out in outputs]
+    assert sorted(first) == [("0", "0"), ("1", "1")]  # whichever agent got which rank
+    assert [len(re.findall(r"rank \d: local rank 0, node \d", out)) for out in outputs] == [2, 2]  # two attempts
+    everything = "".join(outputs)
+    assert everything.count("torchrun: 2 ranks, gloo on cpu") == 2
+    assert everything.count("rank 1: crashing after step 20 (kill)") == 1
+    assert everything.count("resumed from step 16 (epoch 0, 16 batches of it done)") == 1
+    written = [folder / f"w{n}.pt" for n in (0, 1) if (folder / f"w{n}.pt").exists()]
+    assert len(written) == 1 and same(weights(written[0]), reference)  # rank 0 writes, on one node
 
 
-def test_a_killed_rank_has_no_traceback_to_report(standalone_jobs):
+def error_files(log_dir, attempt, local_rank):
+    """The error file torchrun gave one worker (in --log-dir): @record writes the traceback there."""
+    return list(Path(log_dir).glob(f"*/attempt_{attempt}/{local_rank}/error.json"))
+
+
+def test_a_killed_rank_has_no_traceback_to_report(failing_jobs):
     """SIGKILL runs no Python: torchrun sees exit code -9 and no error file; its report then
     says only which signal, where a raising rank's report holds its traceback (@record)."""
-    result, folder = standalone_jobs["elastic"]
-    assert re.search(r"failed \(exitcode: -9\) local_rank: 1 \(pid: \d+\)", result.output), result.output[-3000:]
-    assert error_files(folder / "logs", 0, 1) == []  # test_record... finds the file the same way
+    results, folder = failing_jobs["elastic"]
+    node, = [n for n in (0, 1) if "rank 1: crashing after step 20 (kill)" in results[n].output]
+    # That node's agent has one rank, the killed one: it logs the failure (and restarts it).
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 0 \(pid: \d+\)", results[node].output), results[node].output[-3000:]
+    assert error_files(f"{folder / 'logs'}{node}", 0, 0) == []  # the @record test finds its file this way
     # What torchrun's report says for such a rank (it prints one only when it gives up):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -251,10 +269,9 @@ def test_a_killed_rank_has_no_traceback_to_report(standalone_jobs):
     assert "Signal 9 (SIGKILL) received by PID 4242" in report.format_msg()
 
 
-def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(standalone_jobs):
-    result, folder = standalone_jobs["record"]
+def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(failing_jobs):
+    result, folder = failing_jobs["record"]
     assert not result.timed_out and result.returncode == 1, result.output[-3000:]
-    assert "torchrun: 2 ranks, gloo on cpu" in result.output
     report = result.output[result.output.index("course.train FAILED"):]
     failures = re.split(r"\n\[\d+\]:\n", report)[1:]  # one section per failed rank
     crashed = [f for f in failures if re.search(r"rank\s*: 1 \(local_rank: 1\)", f)]
@@ -267,31 +284,31 @@ def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(standalone_
 
 
 @pytest.fixture(scope="module")
-def two_node_jobs(tmp_path_factory):
-    """The commands you would type on two hosts, here both on this one: 1 process per 'node'.
-    Both rendezvous at once: 4 agents, 2 jobs of 2 ranks."""
-    base = tmp_path_factory.mktemp("two-nodes")
-    c10d_port, static_port = free_ports(2)
-    options = {  # c10d: the rendezvous gives out the ranks and --node-rank is ignored;
-        "c10d": ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{c10d_port}", "--rdzv-id=test-job"],
-        "static": ["--master-addr=127.0.0.1", f"--master-port={static_port}"],  # --node-rank decides
-    }
-    commands = {(rdzv, node): torchrun("--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", *options[rdzv])
-                + ["--out", base / rdzv / f"w{node}.pt"] for rdzv in options for node in (0, 1)}
+def torchrun_jobs(tmp_path_factory):
+    """Two torchrun jobs at once: standalone (1 agent, 2 ranks), and two agents with a static
+    rendezvous (node 0 hosts the store; each agent's --node-rank decides its ranks)."""
+    base = tmp_path_factory.mktemp("torchrun")
+    port, = free_ports(1)
+    agents = two_agents(["--master-addr=127.0.0.1", f"--master-port={port}"], base / "static")
+    commands = {"standalone": torchrun("--standalone", "--nproc-per-node=2") + ["--out", base / "standalone.pt"],
+                0: agents[0], 1: agents[1]}
     results = run_jobs(commands, base)
-    return {rdzv: ([results[rdzv, node] for node in (0, 1)], base / rdzv) for rdzv in options}
+    return {"standalone": results["standalone"], "static": [results[0], results[1]]}, base
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
-def test_two_torchrun_agents_like_two_nodes(two_node_jobs, reference, rendezvous):
-    results, folder = two_node_jobs[rendezvous]
-    outputs = [ok(r) for r in results]
+def test_torchrun_standalone(torchrun_jobs, reference):
+    results, folder = torchrun_jobs
+    out = ok(results["standalone"])
+    assert "torchrun: 2 ranks, gloo on cpu" in out
+    assert same(weights(folder / "standalone.pt"), reference)
+
+
+def test_two_torchrun_agents_with_a_static_rendezvous(torchrun_jobs, reference):
+    results, folder = torchrun_jobs
+    outputs = [ok(r) for r in results["static"]]
     nodes = [int(re.search(r"rank (\d): local rank 0, node (\d)", out).group(2)) for out in outputs]
-    assert sorted(nodes) == [0, 1]
-    if rendezvous == "static":
-        assert nodes == [0, 1]  # each agent's --node-rank
-    written = [folder / f"w{n}.pt" for n in (0, 1) if (folder / f"w{n}.pt").exists()]
-    assert len(written) == 1 and same(weights(written[0]), reference)  # rank 0 writes, on one node
+    assert nodes == [0, 1]  # each agent's --node-rank
+    assert not (folder / "static1.pt").exists() and same(weights(folder / "static0.pt"), reference)  # rank 0 writes
 
 
 FAKE_SRUN = """\
