@@ -30,6 +30,14 @@ dist.init_process_group("gloo", init_method="env://")
 print(f"rank {rank} of {world_size}: sum {rank + 1.0:g}")
 dist.destroy_process_group()
 """
+_PRINT_FIRST = _HEAD + """
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", init_method="env://")
+total = torch.tensor([rank + 1.0])
+print(f"rank {rank} of {world_size}: sum {total.item():g}")
+dist.all_reduce(total)
+dist.destroy_process_group()
+"""
 _NO_DESTROY = _HEAD + """
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="env://")
@@ -42,10 +50,11 @@ print(f"rank {rank} of {world_size}: sum {total.item():g}")
 _WRONG_SCRIPTS = [  # (script, processes, the hint it must get)
     (_NO_INIT, 3, "must call dist.init_process_group"),
     (_HARD_CODED, 3, "read WORLD_SIZE"),  # prints "of 2": needs a world size other than 2
-    (_NO_ALL_REDUCE, 2, "all_reduce the tensor"),
+    (_NO_ALL_REDUCE, 3, "all_reduce the tensor"),  # found before running it
+    (_PRINT_FIRST, 2, "each process printed its own number: all_reduce the tensor"),
     (_NO_DESTROY, 3, "destroy_process_group"),
     (_HEAD + "print('hello')\n", 3, "must call dist.init_process_group"),
-    (_HEAD + "# init_process_group(...) and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
+    (_HEAD + "# init_process_group(), all_reduce() and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
      "failed under torchrun: ValueError: typo"),
     (42, 3, "as a string"),
 ]
