@@ -27,7 +27,7 @@ from course.launcher import WorkerError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--steps", "24", "--batch-size", "64", "--save-every", "8", "--log-every", "8"]
-TIMEOUT = 300  # seconds for one group of commands run at once; healthy: 15-50 s on 2 busy cores
+TIMEOUT = 300  # seconds for one group of commands run at once; healthy: 15-70 s on 2 busy cores
 LAUNCHER_VARIABLES = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT"
                                 r"|SLURM_.*|OMPI_.*|PMI_.*|PMIX_.*|MPI_LOCAL.*|TORCHELASTIC_.*|TORCH_DISTRIBUTED_DEBUG)$")
 
