@@ -1,5 +1,7 @@
 """Notebook 02's checks reject plausible wrong answers, each with a hint that fits the mistake."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch.distributed as dist
 
@@ -28,6 +30,14 @@ dist.init_process_group("gloo", init_method="env://")
 print(f"rank {rank} of {world_size}: sum {rank + 1.0:g}")
 dist.destroy_process_group()
 """
+_PRINT_FIRST = _HEAD + """
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", init_method="env://")
+total = torch.tensor([rank + 1.0])
+print(f"rank {rank} of {world_size}: sum {total.item():g}")
+dist.all_reduce(total)
+dist.destroy_process_group()
+"""
 _NO_DESTROY = _HEAD + """
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="env://")
@@ -37,20 +47,32 @@ print(f"rank {rank} of {world_size}: sum {total.item():g}")
 """
 
 
-@pytest.mark.parametrize(
-    "script, hint",
-    [
-        (_NO_INIT, "must call dist.init_process_group"),
-        (_HARD_CODED, "read WORLD_SIZE"),
-        (_NO_ALL_REDUCE, "all_reduce the tensor"),
-        (_NO_DESTROY, "destroy_process_group"),
-        (_HEAD + "print('hello')\n", "must call dist.init_process_group"),
-        (_HEAD + "# init_process_group(...) and destroy_process_group() come later\nraise ValueError('typo')\n", "failed under torchrun: ValueError: typo"),
-        (42, "as a string"),
-    ],
-)
-def test_setup_script_rejects_wrong_answers(script, hint):
-    feedback = nb02.setup_script(script)
+_WRONG_SCRIPTS = [  # (script, processes, the hint it must get)
+    (_NO_INIT, 3, "must call dist.init_process_group"),
+    (_HARD_CODED, 3, "read WORLD_SIZE"),  # prints "of 2": needs a world size other than 2
+    (_NO_ALL_REDUCE, 3, "all_reduce the tensor"),  # found before running it
+    (_PRINT_FIRST, 2, "each process printed its own number: all_reduce the tensor"),
+    (_NO_DESTROY, 3, "destroy_process_group"),
+    (_HEAD + "print('hello')\n", 3, "must call dist.init_process_group"),
+    (_HEAD + "# init_process_group(), all_reduce() and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
+     "failed under torchrun: ValueError: typo"),
+    (42, 3, "as a string"),
+]
+
+
+@pytest.fixture(scope="module")
+def wrong_script_feedback():
+    """The check's verdict on every wrong script, all checked at once: three of them run under
+    torchrun, and a torchrun job is mostly start-up (the agent and each process import torch).
+    Where the number of processes does not matter, 2 instead of the notebook's 3."""
+    with ThreadPoolExecutor(len(_WRONG_SCRIPTS)) as pool:
+        return list(pool.map(lambda case: nb02.setup_script(case[0], nproc=case[1]), _WRONG_SCRIPTS))
+
+
+@pytest.mark.parametrize("case", range(len(_WRONG_SCRIPTS)), ids=[hint for _, _, hint in _WRONG_SCRIPTS])
+def test_setup_script_rejects_wrong_answers(wrong_script_feedback, case):
+    hint = _WRONG_SCRIPTS[case][2]
+    feedback = wrong_script_feedback[case]
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 

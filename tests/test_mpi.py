@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -123,10 +124,6 @@ def _plain(rank, world_size):
     return dist.get_backend(), t.item(), torch.get_num_threads()
 
 
-def test_plain_gloo_under_mpirun(mpirun):
-    assert mpi.launch(_plain, 3, timeout=180) == [("gloo", 6.0, 1)] * 3
-
-
 def _fails_on_rank_1(rank, world_size):
     if rank == 1:
         raise ValueError("bad data on rank 1")
@@ -134,12 +131,33 @@ def _fails_on_rank_1(rank, world_size):
     return rank
 
 
-def test_a_failing_rank_under_mpirun_raises_worker_error_naming_it(mpirun):
-    with pytest.raises(course.WorkerError) as info:
-        mpi.launch(_fails_on_rank_1, 2, timeout=180)
-    assert info.value.rank == 1
-    assert "rank 1 of 2 failed: ValueError: bad data on rank 1" in str(info.value)
-    assert 'raise ValueError("bad data on rank 1")' in info.value.traceback
+@pytest.fixture(scope="module")
+def plain_and_failing(mpirun):
+    """Two mpirun jobs at once (each is mostly start-up): what each returned or raised."""
+
+    def outcome(fn, world_size):
+        try:
+            return mpi.launch(fn, world_size, timeout=180, show=None)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            return e
+
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(outcome, _plain, 3)
+        failing = pool.submit(outcome, _fails_on_rank_1, 2)
+        return plain.result(), failing.result()
+
+
+def test_plain_gloo_under_mpirun(plain_and_failing):
+    plain, _ = plain_and_failing
+    assert plain == [("gloo", 6.0, 1)] * 3
+
+
+def test_a_failing_rank_under_mpirun_raises_worker_error_naming_it(plain_and_failing):
+    _, error = plain_and_failing
+    assert isinstance(error, course.WorkerError), error
+    assert error.rank == 1
+    assert "rank 1 of 2 failed: ValueError: bad data on rank 1" in str(error)
+    assert 'raise ValueError("bad data on rank 1")' in error.traceback
 
 
 def test_the_rank_entry_point_outside_mpirun_exits_with_a_message(tmp_path):

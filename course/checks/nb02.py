@@ -48,6 +48,10 @@ def setup_script(script, nproc=3):
         return wrong("every process must call dist.init_process_group(...) before its first collective.")
     if "destroy_process_group(" not in script:
         return wrong("end with dist.destroy_process_group(): it closes the connections before the process exits.")
+    # Without a collective the processes never wait for each other: one that is done and exits while
+    # another is still connecting makes that one fail with a gloo error that says nothing useful.
+    if "all_reduce(" not in script:
+        return wrong("all_reduce the tensor (every process calls dist.all_reduce), then print the sum.")
     proc = run_with_torchrun(script, nproc)
     expected = {(r, nproc, nproc * (nproc + 1) / 2) for r in range(nproc)}
     found = set()
