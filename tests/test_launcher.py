@@ -230,41 +230,53 @@ def test_workers_and_their_children_are_killed_on_timeout(tmp_path):
     assert _wait_gone(pids, 1) == []
 
 
+def _sum_of_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _timed_launches(n):
+    """``n`` launches of 4 ranks; the (start, end) of each, in time.time() (the same clock in every process)."""
+    spans = []
+    for _ in range(n):
+        start = time.time()
+        assert launch(_sum_of_ranks, 4, show=None, timeout=60) == [6.0] * 4
+        spans.append((start, time.time()))
+    return spans
+
+
 def test_two_notebooks_launching_at_the_same_time_never_collide(tmp_path):
-    # Two processes (two notebook kernels) launch 4 ranks each, over and over, at the same time:
-    # each waits for the other before its first timed launch, and the test checks that their
-    # launches really overlapped in time (an overlap the test did not see would prove nothing).
-    script = textwrap.dedent(
-        """
-        import json, sys, time
-        from pathlib import Path
-        import course, torch, torch.distributed as dist
-        def job(rank, world_size):
-            t = torch.tensor([float(rank)])
-            dist.all_reduce(t)
-            return t.item()
-        course.launch(job, 4, show=None, timeout=60)  # first launch: one-time imports, before the race
-        folder, me = Path(sys.argv[1]), sys.argv[2]
-        (folder / me).touch()
-        while len(list(folder.iterdir())) < 2:  # start together
-            time.sleep(0.01)
-        spans = []
-        for _ in range(6):
-            start = time.time()
-            assert course.launch(job, 4, show=None, timeout=60) == [6.0] * 4
-            spans.append((start, time.time()))
-        print(json.dumps(spans))
-        """
+    # This process and another one (two notebook kernels) launch 4 ranks each, over and over, at the
+    # same time: each waits for the other before its first timed launch, and the test checks that
+    # their launches really overlapped (an overlap that did not happen would prove nothing).
+    other = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            f"""
+            import json, time
+            from pathlib import Path
+            import course
+            from tests.test_launcher import _sum_of_ranks, _timed_launches
+            course.launch(_sum_of_ranks, 4, show=None, timeout=60)  # one-time imports, before the race
+            Path({str(tmp_path)!r}, "other").touch()
+            while not Path({str(tmp_path)!r}, "this").exists():
+                time.sleep(0.01)
+            print(json.dumps(_timed_launches(6)))
+            """
+        )],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(tmp_path), name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        for name in ("a", "b")
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    a, b = (json.loads(out) for out in outs)
-    overlapping = [(x, y) for x in a for y in b if x[0] < y[1] and y[0] < x[1]]
-    assert len(overlapping) >= 3, f"the two processes' launches hardly overlapped: {a} {b}"
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "other").exists():
+        assert other.poll() is None and time.monotonic() < deadline, "the other process did not get ready"
+        time.sleep(0.01)
+    (tmp_path / "this").touch()
+    ours = _timed_launches(6)
+    out = other.communicate(timeout=120)[0]
+    assert other.returncode == 0, out
+    theirs = json.loads(out)
+    overlapping = [(a, b) for a in ours for b in theirs if a[0] < b[1] and b[0] < a[1]]
+    assert len(overlapping) >= 3, f"the two processes' launches hardly overlapped: {ours} {theirs}"
 
 
 def _run_script(body, tmp_path, **kwargs):
