@@ -7,7 +7,7 @@ notebook's process and its ranks together: on a machine that other work keeps bu
 wall times grow with the load, CPU time much less (on an idle 2-core machine a
 4-rank launch cannot take less wall time than about half its CPU time).
 
-    python benchmarks/launch_overhead.py [--repeats 10] [--quick]
+    python benchmarks/launch_overhead.py [--repeats 10] [--ranks 2 4] [--quick]
 """
 
 import argparse
@@ -89,16 +89,16 @@ def bench_course(world_size, repeats, cpu):
     return common.timed(once, repeats)
 
 
-def bench_spawn(world_size, repeats, workdir):
+def bench_spawn(world_size, repeats, workdir, warmup=1):
     script = Path(workdir, "spawn_job.py")
     script.write_text(SPAWN_SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), str(world_size), str(repeats + 1)],  # +1: a warm-up
+        [sys.executable, str(script), str(world_size), str(warmup + repeats)],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     import json
 
-    return json.loads(out.stdout.strip().splitlines()[-1])[1:]  # drop the warm-up
+    return json.loads(out.stdout.strip().splitlines()[-1])[warmup:]  # drop the warm-up
 
 
 def bench_torchrun(world_size, repeats, workdir):
@@ -117,9 +117,11 @@ def bench_torchrun(world_size, repeats, workdir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="one repeat, 2 ranks (smoke test)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
+    parser.add_argument("--quick", action="store_true", help="one run of each, 1 rank, no warm-up for mp.spawn (smoke test: times nothing well)")
     args = parser.parse_args(argv)
-    repeats, sizes = (1, [2]) if args.quick else (args.repeats, [2, 4])
+    # --quick only proves that every method runs: each extra rank or run costs a torch import (seconds).
+    repeats, sizes, spawn_warmup = (1, [1], 0) if args.quick else (args.repeats, args.ranks, 1)
     torch.set_num_threads(common.cores())
     (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # a multi-threaded op, as a notebook would have run
 
@@ -130,7 +132,7 @@ def main(argv=None):
             cpu = []
             for name, fn in [
                 ("course.launch (fork)", lambda: bench_course(n, repeats, cpu)),
-                ("mp.spawn", lambda: bench_spawn(n, max(1, repeats // 3), workdir)),
+                ("mp.spawn", lambda: bench_spawn(n, max(1, repeats // 3), workdir, spawn_warmup)),
                 ("torchrun (whole command)", lambda: bench_torchrun(n, max(1, repeats // 3), workdir)),
             ]:
                 times = fn()

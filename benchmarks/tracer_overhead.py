@@ -1,6 +1,6 @@
 """How much does course.tracing slow down a DDP step? (A benchmark, not a test.)
 
-    python benchmarks/tracer_overhead.py [--repeats 5] [--steps 30] [--quick]
+    python benchmarks/tracer_overhead.py [--repeats 5] [--steps 30] [--warmup 5] [--quick]
 
 For a few models, 2 ranks run DDP training steps on the plain "gloo" backend and on
 the "traced" backend (gloo with a recorder in front). Each repeat is a fresh launch;
@@ -32,7 +32,6 @@ MODELS = {
     "MLP 10-1000-1000-5, 2 buckets": ([10, 1000, 1000, 5], 1, 2),
     "12 x Linear(256,256), 12 buckets": ([256] * 13, 0.25, 32),
 }
-WARMUP = 5
 
 
 def _model(widths):
@@ -45,30 +44,30 @@ def _model(widths):
     return nn.Sequential(*layers)
 
 
-def _steps(rank, world_size, widths, cap, batch, steps):
+def _steps(rank, world_size, widths, cap, batch, steps, warmup):
     ddp = DDP(_model(widths), bucket_cap_mb=cap)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x = torch.randn(batch, widths[0])
     traced = dist.get_backend() == "traced"
     times = []
-    for step in range(WARMUP + steps):
-        if step == WARMUP and traced:
+    for step in range(warmup + steps):
+        if step == warmup and traced:
             tracing.clear()
         dist.barrier()
         start = time.perf_counter()
         ddp(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        if step >= WARMUP:
+        if step >= warmup:
             times.append(time.perf_counter() - start)
     all_reduces = sum(e.op == "all_reduce" for e in tracing.collectives()) if traced else 0
     return statistics.median(times), all_reduces
 
 
-def _bare_all_reduces(rank, world_size, n):
+def _bare_all_reduces(rank, world_size, n, warmup):
     """No DDP: n all_reduces of one float, the tracer's cost per collective."""
     t = torch.ones(1)
-    for _ in range(50):
+    for _ in range(10 * warmup):
         dist.all_reduce(t)
     dist.barrier()
     start = time.perf_counter()
@@ -81,17 +80,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="launches per model and backend (default 5)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per launch (default 30)")
-    parser.add_argument("--quick", action="store_true", help="one launch of 3 steps per model (smoke test)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--quick", action="store_true", help="one launch of 2 steps, smallest model only (smoke test: times nothing well)")
     args = parser.parse_args(argv)
+    models = MODELS
     if args.quick:
-        args.repeats, args.steps = 1, 3
+        args.repeats, args.steps, args.warmup = 1, 2, 1
+        models = dict(list(MODELS.items())[:1])
 
     common.header(f"Tracer overhead: 2 ranks x 1 thread, median of {args.repeats} launches x {args.steps} steps")
     header = f"{'model':<34} {'gloo ms/step':>12} {'traced ms/step':>15} {'overhead':>9} {'per all_reduce':>15}"
     print(header)
     print("-" * len(header))
-    jobs = {name: (_steps, (widths, cap, batch, args.steps)) for name, (widths, cap, batch) in MODELS.items()}
-    jobs["dist.all_reduce(1 float), no DDP"] = (_bare_all_reduces, (20 * args.steps,))
+    jobs = {name: (_steps, (widths, cap, batch, args.steps, args.warmup)) for name, (widths, cap, batch) in models.items()}
+    jobs["dist.all_reduce(1 float), no DDP"] = (_bare_all_reduces, (20 * args.steps, args.warmup))
     for name, (job, job_args) in jobs.items():
         medians = {}
         reduces_per_step = 0

@@ -131,7 +131,7 @@ def _blocking_sends(tensor):
     ],
 )
 def test_ring_all_reduce_rejects_wrong_answers(answer, hint):
-    feedback = nb10.ring_all_reduce(answer, timeout=20)
+    feedback = nb10.ring_all_reduce(answer)  # a hang is reported after nb10.RING_HANG_BOUND_S
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 

@@ -1,5 +1,7 @@
 """course.launch: results, output order, failures, hangs, cleanup, bad arguments."""
 
+import ast
+import json
 import os
 import signal
 import subprocess
@@ -228,23 +230,53 @@ def test_workers_and_their_children_are_killed_on_timeout(tmp_path):
     assert _wait_gone(pids, 1) == []
 
 
-def test_two_notebooks_launching_at_the_same_time_never_collide():
-    script = textwrap.dedent(
-        """
-        import course, torch, torch.distributed as dist
-        def job(rank, world_size):
-            t = torch.tensor([float(rank)])
-            dist.all_reduce(t)
-            return t.item()
-        for _ in range(15):
-            assert course.launch(job, 4, show=None, timeout=30) == [6.0] * 4
-        print("ok")
-        """
+def _sum_of_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _timed_launches(n):
+    """``n`` launches of 4 ranks; the (start, end) of each, in time.time() (the same clock in every process)."""
+    spans = []
+    for _ in range(n):
+        start = time.time()
+        assert launch(_sum_of_ranks, 4, show=None, timeout=60) == [6.0] * 4
+        spans.append((start, time.time()))
+    return spans
+
+
+def test_two_notebooks_launching_at_the_same_time_never_collide(tmp_path):
+    # This process and another one (two notebook kernels) launch 4 ranks each, over and over, at the
+    # same time: each waits for the other before its first timed launch, and the test checks that
+    # their launches really overlapped (an overlap that did not happen would prove nothing).
+    other = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            f"""
+            import json, time
+            from pathlib import Path
+            import course
+            from tests.test_launcher import _sum_of_ranks, _timed_launches
+            course.launch(_sum_of_ranks, 4, show=None, timeout=60)  # one-time imports, before the race
+            Path({str(tmp_path)!r}, "other").touch()
+            while not Path({str(tmp_path)!r}, "this").exists():
+                time.sleep(0.01)
+            print(json.dumps(_timed_launches(6)))
+            """
+        )],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
-    assert outs == ["ok\n", "ok\n"]
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "other").exists():
+        assert other.poll() is None and time.monotonic() < deadline, "the other process did not get ready"
+        time.sleep(0.01)
+    (tmp_path / "this").touch()
+    ours = _timed_launches(6)
+    out = other.communicate(timeout=120)[0]
+    assert other.returncode == 0, out
+    theirs = json.loads(out)
+    overlapping = [(a, b) for a in ours for b in theirs if a[0] < b[1] and b[0] < a[1]]
+    assert len(overlapping) >= 3, f"the two processes' launches hardly overlapped: {ours} {theirs}"
 
 
 def _run_script(body, tmp_path, **kwargs):
@@ -253,23 +285,38 @@ def _run_script(body, tmp_path, **kwargs):
     return subprocess.Popen([sys.executable, str(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-def test_functions_defined_in_main_work_with_fork_and_with_spawn(tmp_path):
-    # A notebook's functions live in __main__: exactly what mp.spawn cannot pickle.
+@pytest.fixture(scope="module")
+def launched_from_a_script(tmp_path_factory):
+    """A script launches a function defined in its ``__main__`` with fork, then with spawn; the
+    spawn launch also uses a backend the script registered and ``threads=2``. Every spawned rank
+    imports torch (seconds), so the tests of what spawn must get right share this one launch."""
     proc = _run_script(
         """
-        import course, torch.distributed as dist
+        import course, torch, torch.distributed as dist
         BASE = 100
         def job(rank, world_size):
-            return BASE + rank + dist.get_world_size()
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)
+            return BASE + rank + dist.get_world_size(), dist.get_backend(), t.item(), torch.get_num_threads()
+        def plain_gloo(store, rank, world_size, timeout):  # a backend creator, as register_backend expects
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         if __name__ == "__main__":  # a script needs this guard for spawn; a notebook does not
+            dist.Backend.register_backend("scriptgloo", plain_gloo, devices=["cpu"])
             print(course.launch(job, 2, start_method="fork", show=None))
-            print(course.launch(job, 2, start_method="spawn", show=None))
+            print(course.launch(job, 2, start_method="spawn", backend="scriptgloo", threads=2, show=None))
         """,
-        tmp_path,
+        tmp_path_factory.mktemp("script"),
     )
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert out.splitlines()[-2:] == ["[102, 103]", "[102, 103]"]
+    fork, spawn = (ast.literal_eval(line) for line in out.splitlines()[-2:])  # printed lists of tuples
+    return {"fork": fork, "spawn": spawn}
+
+
+def test_functions_defined_in_main_work_with_fork_and_with_spawn(launched_from_a_script):
+    # A notebook's functions live in __main__: exactly what mp.spawn cannot pickle.
+    for start_method in ("fork", "spawn"):
+        assert [r[0] for r in launched_from_a_script[start_method]] == [102, 103], start_method
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
@@ -329,10 +376,11 @@ def test_the_timeout_counts_from_when_every_rank_has_started():
     assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting
 
 
-def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(tmp_path):
+def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(launched_from_a_script):
     with pytest.raises(ValueError, match="start_method='spawn'"):
         launch(lambda r, w: None, 1, threads=2, start_method="fork")
-    assert launch(lambda r, w: torch.get_num_threads(), 2, threads=2, start_method="spawn", show=None) == [2, 2]
+    assert [r[3] for r in launched_from_a_script["spawn"]] == [2, 2]  # threads=2
+    assert [r[3] for r in launched_from_a_script["fork"]] == [1, 1]
 
 
 # ---------------------------------------------------------------- bad arguments
@@ -387,11 +435,15 @@ def _backend_and_sum(rank, world_size):
     return dist.get_backend(), t.item()
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_a_backend_registered_with_register_backend_can_be_launched(registered_backend_name, start_method):
-    # Forked ranks inherit the registration; spawned ones get it redone before init.
-    results = launch(_backend_and_sum, 2, backend=registered_backend_name, start_method=start_method, show=None)
+def test_a_backend_registered_with_register_backend_can_be_launched(registered_backend_name):
+    # Forked ranks inherit the registration (spawned ones: the next test).
+    results = launch(_backend_and_sum, 2, backend=registered_backend_name, start_method="fork", show=None)
     assert results == [(registered_backend_name, 3.0)] * 2
+
+
+def test_spawned_ranks_register_the_backend_again_before_init(launched_from_a_script):
+    # The script registered "scriptgloo" in its __main__: spawned ranks get the creator by value.
+    assert [r[1:3] for r in launched_from_a_script["spawn"]] == [("scriptgloo", 3.0)] * 2
 
 
 def test_an_unknown_backend_name_says_how_to_register_one():

@@ -79,10 +79,25 @@ print("before")
 def job(rank, world_size):
     for step in range(3):
         print("step", step, flush=True)
-        time.sleep(0.5)
+        time.sleep(0.4)
     return rank
 print(course.launch(job, 2, timeout=120))
 """
+# The ranks run for 1.2 s after their first line: the live display (shown from 0.5 s on, refreshed
+# every 0.25 s; course.live.SHOW_AFTER and TICK) has at least 0.7 s to show it before the end.
+
+
+class _Recording(NotebookClient):
+    """nbclient, as the build runs it, noting the live display's updates as they arrive."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates = []
+
+    def process_message(self, msg, cell, cell_index):
+        if msg["msg_type"] == "update_display_data":
+            self.updates.append(msg["content"]["data"])
+        return super().process_message(msg, cell, cell_index)
 
 
 def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path):
@@ -93,10 +108,15 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path):
     env_before = dict(os.environ)
     os.environ.update(_kernel_env())
     try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+        client = _Recording(nb, timeout=300, kernel_name="python3", shutdown_kernel="immediate",
+                            resources={"metadata": {"path": str(ROOT)}})
+        client.execute()
     finally:
         os.environ.clear()
         os.environ.update(env_before)
+    live = [u.get("text/plain", "") for u in client.updates]
+    assert any("[rank 0] step 0" in text for text in live), f"the live display showed no rank's line: {client.updates}"
+    assert client.updates[-1] == {}  # emptied at the end
     outputs = nb.cells[0].outputs
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert text == "before\n" + "".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
