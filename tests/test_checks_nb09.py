@@ -93,8 +93,8 @@ def _no_training(model, optimizer, batches, threshold):
 
 
 @pytest.mark.parametrize("answer, hint", [
-    (_alone, "still waited after 10 s"),
-    (_join, "still waited after 10 s"),
+    (_alone, f"still waited after {nb09.HANG_S} s"),
+    (_join, f"still waited after {nb09.HANG_S} s"),
     (_join_after_the_step, "stopped at different steps"),
     (_mean_loss, "*any* rank's loss"),
     (_after_the_step, "decide before that step's backward"),
