@@ -242,7 +242,8 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
 def _import_lazy_modules():
     """DDP imports ``torch._dynamo`` the first time it wraps a model: seconds of work. Done
     in forked ranks, every rank of every launch would pay it again; done once here, in the
-    notebook, all forked ranks inherit it."""
+    notebook, all forked ranks inherit it. A spawned rank imports it before it counts as
+    started (the launch's timeout counts from then)."""
     import torch._dynamo  # noqa: F401
 
 
@@ -408,6 +409,10 @@ def _rank_process(rank, job, payload, conn, parent_pid):
         stack_file = open(_stack_path(job, rank), "w")
         if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        try:  # a spawned rank: import now what DDP imports lazily, as part of starting (forked: done)
+            _import_lazy_modules()
+        except Exception:  # then fn meets the error itself, and reports it
+            pass
         conn.send(run_rank(rank, job, payload))
         while os.getppid() == parent_pid:  # the parent kills us once every rank has reported
             time.sleep(0.5)

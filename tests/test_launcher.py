@@ -376,6 +376,17 @@ def test_the_timeout_counts_from_when_every_rank_has_started():
     assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting
 
 
+def _one_ddp_step(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()  # DDP's lazy import (torch._dynamo): seconds
+    return "done"
+
+
+def test_a_spawned_rank_imports_what_ddp_needs_before_the_timeout_counts():
+    assert launch(_one_ddp_step, 2, timeout=2, start_method="spawn", show=None) == ["done", "done"]
+
+
 def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(launched_from_a_script):
     with pytest.raises(ValueError, match="start_method='spawn'"):
         launch(lambda r, w: None, 1, threads=2, start_method="fork")
