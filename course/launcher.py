@@ -409,11 +409,7 @@ def _rank_process(rank, job, payload, conn, parent_pid):
         stack_file = open(_stack_path(job, rank), "w")
         if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-        try:  # a spawned rank: import now what DDP imports lazily, as part of starting (forked: done)
-            _import_lazy_modules()
-        except Exception:  # then fn meets the error itself, and reports it
-            pass
-        conn.send(run_rank(rank, job, payload))
+        conn.send(run_rank(rank, job, payload, prepare=_import_lazy_modules))
         while os.getppid() == parent_pid:  # the parent kills us once every rank has reported
             time.sleep(0.5)
     finally:

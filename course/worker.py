@@ -199,10 +199,11 @@ def unpack(payload):
 # --------------------------------------------------------------------------- in the rank
 
 
-def run_rank(rank: int, job: Job, payload) -> Report:
+def run_rank(rank: int, job: Job, payload, prepare=None) -> Report:
     """Run one rank: output to ``job.output_path(rank)``, environment, threads, process group,
     ``fn(rank, world_size, *args)``. Returns its :class:`Report`; never raises. Leaves the
-    process group up: the launcher ends the process once every rank has reported."""
+    process group up: the launcher ends the process once every rank has reported.
+    ``prepare()``, if given, runs once the environment is set, as part of starting."""
     try:
         redirect_output(job.output_path(rank))
         os.environ.update(
@@ -220,6 +221,8 @@ def run_rank(rank: int, job: Job, payload) -> Report:
         fn, args, backend = unpack(payload)
         if backend is not None:
             backend.register()
+        if prepare is not None:
+            prepare()
         job.started_path(rank).touch()  # the launch's timeout counts from here
         if job.init_process_group:
             init_process_group(rank, job)
