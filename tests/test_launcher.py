@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import course
 from course import WorkerError, WorkerTimeoutError, launch
+from course.launcher import default_start_method
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -348,8 +349,6 @@ def test_workers_die_with_the_kernel(tmp_path, how):
 def test_a_machine_with_a_cuda_gpu_starts_ranks_with_spawn(monkeypatch):
     # Measured on one H100 (torch 2.11): after one backward() in the parent, forked ranks fail in
     # their own backward ("autograd's threading in combination with fork-based multiprocessing").
-    from course.launcher import default_start_method
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_start_method("gloo") == "fork"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
