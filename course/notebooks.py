@@ -136,12 +136,14 @@ def execute(nb, cwd: Path, timeout: int = 600):
 
 
 def _cell_names(source: str):
-    """What a code cell does with global names: ``reads`` (loads, also inside its
-    functions), ``binds`` (assigns, defines, imports), ``kills`` (surely rebinds at top
-    level without reading), ``imports``, and ``changes``: names whose object a top-level
-    statement may change (``x.a = ..``, ``x[i] = ..``, ``x.f(...)``, ``f(x)``; a call of a
-    module's function, ``torch.manual_seed(0)``, changes the module only).
-    None if the cell cannot be parsed."""
+    """What a code cell does with global names, statement by statement; None if it cannot
+    be parsed. For each top-level statement: ``reads``, the globals it loads that the cell
+    has not surely bound before it (also inside the functions it defines); ``binds``, every
+    name it binds; ``sure``, those it surely binds (assignment, def, class, import);
+    ``stored``, objects it stores into (``x.a = ..``, ``x[i] = ..``); ``passed``, objects
+    whose method it calls or that it passes to a call (``x.f()``, ``f(x)``: may change x).
+    ``functions``: for each function or class the cell defines, the globals it uses and
+    those of them it may change when called (``log.append(e)``)."""
     import builtins
     import symtable
 
@@ -152,60 +154,87 @@ def _cell_names(source: str):
         tree, table = ast.parse(code), symtable.symtable(code, "<cell>", "exec")
     except SyntaxError:
         return None
-    n = {"reads": set(), "binds": set(), "imports": set(), "changes": set(), "stored": set()}
-
-    def visit(scope):
-        for sym in scope.get_symbols():
-            name = sym.get_name()
-            if sym.is_referenced() and (scope.get_type() == "module" or sym.is_global()):
-                n["reads"].add(name)
-            if scope.get_type() == "module" and (sym.is_assigned() or sym.is_imported()):
-                n["binds"].add(name)
-            if scope.get_type() == "module" and sym.is_imported():
-                n["imports"].add(name)
-        for child in scope.get_children():
-            visit(child)
-
-    visit(table)
     if any(isinstance(x, ast.ImportFrom) and any(a.name == "*" for a in x.names) for x in ast.walk(tree)):
         return None
-    n["reads"] -= set(dir(builtins))
+
+    def globals_in(scope):  # the global names a scope and the scopes inside it use
+        own = {s.get_name() for s in scope.get_symbols()
+               if s.is_global() or (scope.get_type() == "module" and s.is_referenced())}
+        return own.union(*(globals_in(child) for child in scope.get_children())) - set(dir(builtins))
 
     def base_name(node):
         while isinstance(node, (ast.Attribute, ast.Subscript)):
             node = node.value
         return node.id if isinstance(node, ast.Name) else None
 
-    def top_level(node):  # the statement's own code, not the bodies of functions it defines
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-                yield from top_level(child)
+    def walk(*nodes):  # the statements' own code, not the bodies of functions they define
+        for node in nodes:
+            yield node
+            yield from walk(*(c for c in ast.iter_child_nodes(node)
+                              if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))))
 
-    for stmt in tree.body:
-        for node in top_level(stmt):
-            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
-                n["stored"].add(base_name(node.value))
+    def loads(*nodes):  # every name loaded, also in function bodies
+        return {x.id for node in nodes for x in ast.walk(node) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+
+    def names_in(*targets):
+        return {x.id for t in targets if t is not None for x in ast.walk(t) if isinstance(x, ast.Name)}
+
+    def mutations(nodes):
+        stored, passed = set(), set()
+        for node in nodes:
+            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                stored.add(base_name(node.value))
             elif isinstance(node, ast.Call):
-                n["changes"] |= {base_name(a) for a in [*node.args, *(k.value for k in node.keywords)]}
+                passed |= {base_name(a) for a in [*node.args, *(k.value for k in node.keywords)]}
                 if isinstance(node.func, ast.Attribute):
-                    n["changes"].add(base_name(node.func.value))
-    n["changes"] -= {None}
-    n["stored"] -= {None}
-    kills, loop_vars = set(), set()
+                    passed.add(base_name(node.func.value))
+        return stored - {None}, passed - {None}
+
+    global_names = globals_in(table)
+    scopes = {child.get_name(): child for child in table.get_children()}
+    n = {"statements": [], "functions": {}, "imports": set()}
+    surely_bound = set()
     for stmt in tree.body:
-        if isinstance(stmt, (ast.For, ast.With)):
-            targets = [stmt.target] if isinstance(stmt, ast.For) else [w.optional_vars for w in stmt.items if w.optional_vars]
-            loop_vars |= {x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
-        if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            kills |= {x.id for t in targets if isinstance(t, (ast.Name, ast.Tuple)) for x in ast.walk(t) if isinstance(x, ast.Name)}
-        elif isinstance(stmt, (ast.For, ast.With)):  # bound before the body reads them
-            kills |= loop_vars
-        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
-            kills |= n["binds"] & ({getattr(stmt, "name", None)} | {(a.asname or a.name).split(".")[0] for a in getattr(stmt, "names", [])})
-    n["kills"] = kills - (n["reads"] - loop_vars)
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):  # the loop variable is bound before the body reads it
+            reads = loads(stmt.iter, *stmt.orelse) | (loads(*stmt.body) - names_in(stmt.target))
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            reads = loads(*(w.context_expr for w in stmt.items)) | (loads(*stmt.body) - names_in(*(w.optional_vars for w in stmt.items)))
+        else:
+            reads = loads(stmt) | ({base_name(stmt.target)} if isinstance(stmt, ast.AugAssign) else set())
+        imports = {(a.asname or a.name).split(".")[0] for x in walk(stmt) if isinstance(x, (ast.Import, ast.ImportFrom)) for a in x.names}
+        binds = imports | {x.id for x in walk(stmt) if isinstance(x, ast.Name) and isinstance(x.ctx, (ast.Store, ast.Del))}
+        if isinstance(stmt, ast.Assign):
+            sure = names_in(*stmt.targets)
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            sure = names_in(stmt.target)
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            sure = {stmt.name}
+            used = globals_in(scopes[stmt.name]) if stmt.name in scopes else loads(stmt)
+            n["functions"][stmt.name] = (used, set().union(*mutations(ast.walk(stmt))) & used)
+        else:
+            sure = imports if isinstance(stmt, (ast.Import, ast.ImportFrom)) else set()
+        binds |= sure
+        stored, passed = mutations(walk(stmt))
+        n["statements"].append({"reads": reads & global_names - surely_bound, "binds": binds, "sure": sure,
+                                "stored": stored, "passed": passed, "imports": imports})
+        n["imports"] |= imports
+        surely_bound |= sure
+    n["reads"] = set().union(*(s["reads"] for s in n["statements"]))
+    n["kills"] = surely_bound
     return n
+
+
+def _closure(names, functions, part) -> set:
+    """For the notebook's functions among ``names`` and those they call: the union of their
+    ``part`` (0: the globals they use, 1: those they may change)."""
+    seen, todo, found = set(), [x for x in names if x in functions], set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            found |= functions[name][part]
+            todo += [x for x in functions[name][0] if x in functions]
+    return found
 
 
 def student_cells_to_run(solution_nb, student_nb) -> list[str]:
@@ -214,27 +243,42 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     cells = [(i, c) for i, c in enumerate(student_nb.cells) if c.cell_type == "code"]
     names = {i: _cell_names(c.source) for i, c in cells}
     modules = set().union(*(n["imports"] for n in names.values() if n))
-    # A call of a module's function (torch.manual_seed, course.launch) changes no object
-    # of the notebook's except the module; x.f(...) or f(x) may change x.
-    changes = {i: n["binds"] | n["stored"] | (n["changes"] - modules) for i, n in names.items() if n}
-    # forward: which cells depend on a stub. A dependent cell may also have changed any
-    # object it read (it may pass `model` to the student's function), except a module;
-    # what it imports is the same object in both versions (`from course.checks import nb03 as check`).
-    tainted, dependent = set(), set()
+    defined = set().union(*(n["functions"] for n in names.values() if n))
+
+    # What a statement may change: what it binds or stores into, and what it passes to a
+    # call, except a module (torch.manual_seed(0), course.launch(...) change no object of
+    # the notebook's) or a function or class of the notebook's (launch(train, 2)). What it
+    # imports is the same object in both versions (from course.checks import nb03 as check).
+    def changes(s, imports=False):
+        return (s["binds"] - (set() if imports else s["imports"])) | s["stored"] | (s["passed"] - modules - defined)
+
+    # forward: which statements depend on a stub. One that reads a dependent name, directly
+    # or through a function it calls, may change whatever it changes and whatever those
+    # functions change; one that does not, rebinds its names to the solution run's values.
+    # A cell that differs from the solution depends on the stub, and so does all it reads.
+    tainted, dependent, functions = set(), set(), {}
     for i, cell in cells:
         n = names[i]
-        if solution.get(cell.get("id")) != cell.source or n is None or n["reads"] & tainted:
+        if n is None:
             dependent.add(i)
-            if n is not None:
-                tainted |= (changes[i] - n["imports"]) | (n["reads"] - modules)
-    # backward: keep the dependent cells and whatever they (transitively) need
+            continue
+        differs = solution.get(cell.get("id")) != cell.source
+        for s in n["statements"]:
+            if differs or (s["reads"] | _closure(s["reads"], functions, 0)) & tainted:
+                dependent.add(i)
+                tainted |= changes(s) | (_closure(s["reads"], functions, 1) - modules - defined)
+                tainted |= s["reads"] - modules if differs else set()
+            else:
+                tainted -= s["sure"]
+        functions.update(n["functions"])
+    # backward: keep the dependent cells and whatever they (or the functions they call) need
     needed, keep = set(), []
     for i, cell in reversed(cells):
         n = names[i]
-        if n is None or i in dependent or changes[i] & needed:
+        if n is None or i in dependent or set().union(*(changes(s, imports=True) for s in n["statements"])) & needed:
             keep.append(i)
             if n is not None:
-                needed = (needed - n["kills"]) | n["reads"]
+                needed = (needed - n["kills"]) | n["reads"] | _closure(n["reads"], functions, 0)
     return [cell.get("id") for i, cell in cells if i in keep]
 
 

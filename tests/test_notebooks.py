@@ -164,3 +164,32 @@ def test_student_run_keeps_mutations_and_unparsable_cells():
 def test_student_run_of_a_notebook_without_exercises_is_empty():
     solution, student = _pair("import torch", "print(torch.ones(2))")
     assert notebooks.student_cells_to_run(solution, student) == []
+
+
+def test_student_run_follows_statements_and_functions():
+    solution, student = _pair(
+        "import course\nlog = []",                                       # c0
+        "def note(x):\n    log.append(x)\n    return twice()",              # c1: changes log; calls twice
+        "def twice():\n    return 2 * answer",                              # c2: reads the answer when called
+        "answer = 3  # SOLUTION",                                          # c3: the exercise
+        "steps = 10\nprint(steps)",                                         # c4: binds, then reads: no stub
+        "def hello():\n    return 1",                                       # c5
+        "result = note(5)\ncourse.launch(hello, 2)",                        # c6: the stub, through note and twice
+        "print(log)",                                                       # c7: note changed log
+        "print(hello(), steps)",                                            # c8: passing hello did not change it
+        "answer = 4\nprint(answer)",                                        # c9: rebinds: no stub any more
+        "print(answer + 1)",                                                # c10
+    )
+    kept = notebooks.student_cells_to_run(solution, student)
+    assert kept == ["c0", "c1", "c2", "c3", "c5", "c6", "c7"]
+
+
+def test_a_loop_or_with_target_is_bound_before_its_body_reads_it():
+    solution, student = _pair(
+        "answer = 3  # SOLUTION",
+        "for answer in range(2):\n    print(answer)",   # reads only range: independent of the stub
+        "with open('f') as answer:\n    print(answer)",
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0"]
+    solution, student = _pair("answer = 3  # SOLUTION", "answer += 1")  # reads the stub's answer
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1"]
