@@ -50,6 +50,17 @@ def test_solutions_have_stored_outputs_and_every_check_passed(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_every_nbval_marker_is_one_nbval_reads(name):
+    """nbval obeys `# NBVAL_IGNORE_OUTPUT` only as a whole line: `# NBVAL_IGNORE_OUTPUT: why` is
+    silently an ordinary comment, and the cell's output is compared after all."""
+    from nbval.plugin import comment_markers
+
+    for cell in nbformat.read(SOLUTIONS / name, as_version=4).cells:
+        for line in re.findall(r"^\s*#.*NBVAL_.*$", cell.source, re.M):
+            assert line.strip().lstrip("#").strip() in comment_markers, f"put the marker on a line of its own: {line!r}"
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_student_notebooks_contain_no_solutions_and_no_outputs(name):
     solution = nbformat.read(SOLUTIONS / name, as_version=4)
     student = nbformat.read(STUDENT / name, as_version=4)
