@@ -54,7 +54,7 @@ _WRONG_SCRIPTS = [  # (script, processes, the hint it must get)
     (_PRINT_FIRST, 2, "each process printed its own number: all_reduce the tensor"),
     (_NO_DESTROY, 3, "destroy_process_group"),
     (_HEAD + "print('hello')\n", 3, "must call dist.init_process_group"),
-    (_HEAD + "# init_process_group(), all_reduce() and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
+    ("# init_process_group(), all_reduce() and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
      "failed under torchrun: ValueError: typo"),
     (42, 3, "as a string"),
 ]
