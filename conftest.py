@@ -15,7 +15,6 @@ nbval runs every notebook it collects, one pytest item per code cell.
 from pathlib import Path
 
 import nbformat
-import pytest
 
 ROOT = Path(__file__).parent
 SOLUTION_DIR = ROOT / "solutions"

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course.exercises import Feedback, is_stub
-from course.notebooks import SOLUTIONS, make_student, solution_paths
+from course.notebooks import make_student, solution_paths
 
 
 def _exercise_namespace(nb):

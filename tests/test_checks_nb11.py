@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from course.checks import nb11
 from course.zero import flat_padded

@@ -1,7 +1,6 @@
 """Notebook 12's checks reject plausible wrong answers with a specific hint."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from course.checks import nb12

@@ -43,7 +43,7 @@ def _gpipe(stage, p, m):
 
 
 def _returns_nothing(stage, p, m):
-    order = [("F", i) for i in range(m)]  # builds a list but forgets to return it
+    [("F", i) for i in range(m)]  # builds a list but forgets to return it
 
 
 def _raises(stage, p, m):

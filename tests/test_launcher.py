@@ -378,8 +378,8 @@ def test_the_timeout_counts_from_when_every_rank_has_started():
     # Spawned ranks on a busy machine take seconds to start (import torch, unpickle the arguments, import
     # what DDP loads lazily); a 2 s timeout must not count that ...
     assert launch(_one_ddp_step, 2, SlowToUnpickle(), timeout=2, start_method="spawn", show=None) == ["unpickled"] * 2
-    with pytest.raises(WorkerTimeoutError) as stuck:  # ... but once started, the timeout holds
-        launch(lambda r, w, slow: time.sleep(30), 2, SlowToUnpickle(), timeout=1, start_method="spawn", show=None)
+    with pytest.raises(WorkerTimeoutError) as stuck:  # ... but once started, the timeout holds (the same
+        launch(lambda r, w: time.sleep(30), 2, timeout=1, start_method="fork", show=None)  # code for fork)
     assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting
 
 

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course.baseline import classic_data, single_device_step

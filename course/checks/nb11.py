@@ -4,7 +4,6 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -3,7 +3,6 @@
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course import tensor_parallel as tp

@@ -3,7 +3,6 @@
 import numbers
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from course import tracing
