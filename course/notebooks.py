@@ -131,8 +131,13 @@ def execute(nb, cwd: Path, timeout: int = 600):
 # the test suite runs a student notebook's cells that (a) differ from the solution, or
 # (b) read a name that depends on a stub, or (c) bind something such a cell reads later.
 # The others are byte-identical cells, already executed in the same state by the solution
-# run; leaving them out of the student run is what keeps the suite fast. A cell that
-# mutates an object (``model.eval()``, ``x[0] = 1``) counts as binding that name.
+# run; leaving them out of the student run is what keeps the suite fast. The analysis
+# goes statement by statement: a statement that mutates an object (``model.eval()``,
+# ``x[0] = 1``, ``f(x)``) counts as binding that name; one that calls a function of the
+# notebook's also reads what that function reads and changes what it changes; and a name
+# that a statement rebinds from values that do not depend on a stub no longer depends on it
+# (``from course.zero import zero1_step`` after the exercise: the cells after it use the
+# course's version). It errs on the side of running a cell.
 
 
 def _cell_names(source: str):
