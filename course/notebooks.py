@@ -172,10 +172,10 @@ def _cell_names(source: str):
             node = node.value
         return node.id if isinstance(node, ast.Name) else None
 
-    def walk(*nodes):  # the statements' own code, not the bodies of functions they define
+    def own_code(*nodes):  # the statements' own code, not the bodies of functions they define
         for node in nodes:
             yield node
-            yield from walk(*(c for c in ast.iter_child_nodes(node)
+            yield from own_code(*(c for c in ast.iter_child_nodes(node)
                               if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))))
 
     def loads(*nodes):  # every name loaded, also in function bodies
@@ -206,20 +206,20 @@ def _cell_names(source: str):
             reads = loads(*(w.context_expr for w in stmt.items)) | (loads(*stmt.body) - names_in(*(w.optional_vars for w in stmt.items)))
         else:
             reads = loads(stmt) | ({base_name(stmt.target)} if isinstance(stmt, ast.AugAssign) else set())
-        imports = {(a.asname or a.name).split(".")[0] for x in walk(stmt) if isinstance(x, (ast.Import, ast.ImportFrom)) for a in x.names}
-        binds = imports | {x.id for x in walk(stmt) if isinstance(x, ast.Name) and isinstance(x.ctx, (ast.Store, ast.Del))}
+        imports = {(a.asname or a.name).split(".")[0] for x in own_code(stmt) if isinstance(x, (ast.Import, ast.ImportFrom)) for a in x.names}
+        binds = imports | {x.id for x in own_code(stmt) if isinstance(x, ast.Name) and isinstance(x.ctx, (ast.Store, ast.Del))}
         if isinstance(stmt, ast.Assign):
             sure = names_in(*stmt.targets)
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             sure = names_in(stmt.target)
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             sure = {stmt.name}
-            used = globals_in(scopes[stmt.name]) if stmt.name in scopes else loads(stmt)
-            n["functions"][stmt.name] = (used, set().union(*mutations(ast.walk(stmt))) & used)
+            uses = globals_in(scopes[stmt.name])
+            n["functions"][stmt.name] = {"uses": uses, "changes": set().union(*mutations(ast.walk(stmt))) & uses}
         else:
             sure = imports if isinstance(stmt, (ast.Import, ast.ImportFrom)) else set()
         binds |= sure
-        stored, passed = mutations(walk(stmt))
+        stored, passed = mutations(own_code(stmt))
         n["statements"].append({"reads": reads & global_names - surely_bound, "binds": binds, "sure": sure,
                                 "stored": stored, "passed": passed, "imports": imports})
         n["imports"] |= imports
@@ -229,16 +229,16 @@ def _cell_names(source: str):
     return n
 
 
-def _closure(names, functions, part) -> set:
+def _closure(names, functions, key) -> set:
     """For the notebook's functions among ``names`` and those they call: the union of their
-    ``part`` (0: the globals they use, 1: those they may change)."""
+    ``key`` ("uses": the globals they use, "changes": those they may change)."""
     seen, todo, found = set(), [x for x in names if x in functions], set()
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            found |= functions[name][part]
-            todo += [x for x in functions[name][0] if x in functions]
+            found |= functions[name][key]
+            todo += [x for x in functions[name]["uses"] if x in functions]
     return found
 
 
@@ -252,15 +252,15 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
 
     # What a statement may change: what it binds or stores into, and what it passes to a
     # call, except a module (torch.manual_seed(0), course.launch(...) change no object of
-    # the notebook's) or a function or class of the notebook's (launch(train, 2)). What it
-    # imports is the same object in both versions (from course.checks import nb03 as check).
-    def changes(s, imports=False):
-        return (s["binds"] - (set() if imports else s["imports"])) | s["stored"] | (s["passed"] - modules - defined)
+    # the notebook's) or a function or class of the notebook's (launch(train, 2)).
+    def changes(s):
+        return s["binds"] | s["stored"] | (s["passed"] - modules - defined)
 
     # forward: which statements depend on a stub. One that reads a dependent name, directly
     # or through a function it calls, may change whatever it changes and whatever those
     # functions change; one that does not, rebinds its names to the solution run's values.
     # A cell that differs from the solution depends on the stub, and so does all it reads.
+    # What a statement imports is the same object in both versions (from course.checks import nb03 as check).
     tainted, dependent, functions = set(), set(), {}
     for i, cell in cells:
         n = names[i]
@@ -269,9 +269,9 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
             continue
         differs = solution.get(cell.get("id")) != cell.source
         for s in n["statements"]:
-            if differs or (s["reads"] | _closure(s["reads"], functions, 0)) & tainted:
+            if differs or (s["reads"] | _closure(s["reads"], functions, "uses")) & tainted:
                 dependent.add(i)
-                tainted |= changes(s) | (_closure(s["reads"], functions, 1) - modules - defined)
+                tainted |= (changes(s) - s["imports"]) | (_closure(s["reads"], functions, "changes") - modules - defined)
                 tainted |= s["reads"] - modules if differs else set()
             else:
                 tainted -= s["sure"]
@@ -280,10 +280,10 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     needed, keep = set(), []
     for i, cell in reversed(cells):
         n = names[i]
-        if n is None or i in dependent or set().union(*(changes(s, imports=True) for s in n["statements"])) & needed:
+        if n is None or i in dependent or set().union(*map(changes, n["statements"])) & needed:
             keep.append(i)
             if n is not None:
-                needed = (needed - n["kills"]) | n["reads"] | _closure(n["reads"], functions, 0)
+                needed = (needed - n["kills"]) | n["reads"] | _closure(n["reads"], functions, "uses")
     return [cell.get("id") for i, cell in cells if i in keep]
 
 
