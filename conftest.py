@@ -8,13 +8,18 @@ nbval runs every notebook it collects, one pytest item per code cell.
   a student notebook's cells that the solution run already executed in the same state
   are skipped (see ``course.notebooks.student_cells_to_run``): only the cells that
   differ from the solution, depend on a stub, or feed such a cell run again.
+* Likewise a test marked ``repeats_solution_notebook`` (parametrized by a solution notebook's
+  ``path``) is skipped when that notebook runs in the same session: it calls the notebook's
+  checks on the notebook's answers, which the notebook does itself (nbval compares the ✅).
 * With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
-  one kernel. Notebooks are collected first, so the longest units of work start first.
+  one kernel. xdist hands out the files with the most items first (not the longest ones);
+  without xdist, notebooks run first.
 """
 
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).parent
 SOLUTION_DIR = ROOT / "solutions"
@@ -43,4 +48,8 @@ def pytest_collection_modifyitems(config, items):
                 to_run[path.name] = set(student_cells_to_run(solution, nbformat.read(path, as_version=4)))
             if item.cell.get("id") not in to_run[path.name]:
                 item.options["skip"] = True  # ran, in the same state, in the solution notebook
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("repeats_solution_notebook") and Path(callspec.params["path"]).name in solutions_here:
+            item.add_marker(pytest.mark.skip(reason=f"solutions/{Path(callspec.params['path']).name} runs it in this session"))
     items.sort(key=lambda i: not _is_notebook_cell(i))  # stable: notebooks first, in order

@@ -34,6 +34,7 @@ def _checks_of(path):
     return importlib.import_module(f"course.checks.nb{path.name[:2]}")
 
 
+@pytest.mark.repeats_solution_notebook  # the notebook's check cells do this; tests/ alone (old torch) need it
 @pytest.mark.parametrize("path", solution_paths(), ids=lambda p: p.stem)
 def test_every_check_accepts_the_notebooks_solution(path):
     namespace, calls = _exercise_namespace(nbformat.read(path, as_version=4))

@@ -1,7 +1,5 @@
 """Notebook 02's checks reject plausible wrong answers, each with a hint that fits the mistake."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch.distributed as dist
 
@@ -55,25 +53,50 @@ _WRONG_SCRIPTS = [  # (script, processes, the hint it must get)
     (_NO_DESTROY, 3, "destroy_process_group"),
     (_HEAD + "print('hello')\n", 3, "must call dist.init_process_group"),
     ("# init_process_group(), all_reduce() and destroy_process_group() come later\nraise ValueError('typo')\n", 2,
-     "failed under torchrun: ValueError: typo"),
+     "the script failed: ValueError: typo"),
     (42, 3, "as a string"),
 ]
 
 
-@pytest.fixture(scope="module")
-def wrong_script_feedback():
-    """The check's verdict on every wrong script, all checked at once: three of them run under
-    torchrun, and a torchrun job is mostly start-up (the agent and each process import torch).
-    Where the number of processes does not matter, 2 instead of the notebook's 3."""
-    with ThreadPoolExecutor(len(_WRONG_SCRIPTS)) as pool:
-        return list(pool.map(lambda case: nb02.setup_script(case[0], nproc=case[1]), _WRONG_SCRIPTS))
-
-
 @pytest.mark.parametrize("case", range(len(_WRONG_SCRIPTS)), ids=[hint for _, _, hint in _WRONG_SCRIPTS])
-def test_setup_script_rejects_wrong_answers(wrong_script_feedback, case):
-    hint = _WRONG_SCRIPTS[case][2]
-    feedback = wrong_script_feedback[case]
+def test_setup_script_rejects_wrong_answers(case):
+    script, nproc, hint = _WRONG_SCRIPTS[case]
+    feedback = nb02.setup_script(script, nproc=nproc)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+_ONLY_RANK_0 = _HEAD + """
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", init_method="env://")
+total = torch.tensor([rank + 1.0])
+if rank == 0:
+    dist.all_reduce(total)
+OTHER
+print(f"rank {rank} of {world_size}: sum {total.item():g}")
+dist.destroy_process_group()
+"""
+
+
+def test_setup_script_with_a_collective_not_every_process_calls():
+    # Rank 1 goes on and ends: rank 0's all_reduce loses its peer.
+    feedback = nb02.setup_script(_ONLY_RANK_0.replace("OTHER", ""), nproc=2)
+    assert feedback.status == "wrong" and "rank 0 waited in a collective" in feedback.message, feedback
+    # Rank 1 waits for a message rank 0 never sends: both wait, until the check's timeout.
+    stuck = _ONLY_RANK_0.replace("OTHER", "else:\n    dist.recv(total, src=0)")
+    feedback = nb02.setup_script(stuck, nproc=2, timeout=2)
+    assert feedback.status == "wrong" and "had not ended after 2 s (rank(s) 0, 1 of 2" in feedback.message, feedback
+
+
+def test_setup_script_runs_as_torchrun_would():
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, no process group yet, ``__main__``."""
+    script = _HEAD + """
+import sys
+assert not dist.is_initialized()
+if __name__ == "__main__":
+    print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"], bool(os.environ["MASTER_PORT"]))
+    sys.exit(0)
+"""
+    assert nb02.run_script(script, 2) == ["0 2 0 127.0.0.1 True\n", "1 2 1 127.0.0.1 True\n"]
 
 
 def test_setup_script_stub_is_not_attempted():

@@ -289,22 +289,34 @@ def _run_script(body, tmp_path, **kwargs):
 @pytest.fixture(scope="module")
 def launched_from_a_script(tmp_path_factory):
     """A script launches a function defined in its ``__main__`` with fork, then with spawn; the
-    spawn launch also uses a backend the script registered and ``threads=2``. Every spawned rank
-    imports torch (seconds), so the tests of what spawn must get right share this one launch."""
+    spawn launch also uses a backend the script registered, ``threads=2``, and a 2 s timeout that
+    its ranks' start-up must not count: importing torch, unpickling an argument that takes 2 s
+    (``SlowToUnpickle``), importing what DDP loads lazily (torch._dynamo: the function takes one
+    DDP step). Every spawned rank imports torch (seconds), so these tests share this one launch."""
     proc = _run_script(
         """
+        import time
         import course, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
         BASE = 100
-        def job(rank, world_size):
+        class SlowToUnpickle:  # start-up time, like importing torch
+            def __reduce__(self):
+                return (sleep_then_make, (2.0,))
+        def sleep_then_make(seconds):
+            time.sleep(seconds)
+            return "unpickled"
+        def job(rank, world_size, extra):
+            DDP(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()  # DDP's lazy import: seconds
             t = torch.tensor([rank + 1.0])
             dist.all_reduce(t)
-            return BASE + rank + dist.get_world_size(), dist.get_backend(), t.item(), torch.get_num_threads()
+            return BASE + rank + dist.get_world_size(), dist.get_backend(), t.item(), torch.get_num_threads(), extra
         def plain_gloo(store, rank, world_size, timeout):  # a backend creator, as register_backend expects
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         if __name__ == "__main__":  # a script needs this guard for spawn; a notebook does not
             dist.Backend.register_backend("scriptgloo", plain_gloo, devices=["cpu"])
-            print(course.launch(job, 2, start_method="fork", show=None))
-            print(course.launch(job, 2, start_method="spawn", backend="scriptgloo", threads=2, show=None))
+            print(course.launch(job, 2, "plain", start_method="fork", show=None))
+            print(course.launch(job, 2, SlowToUnpickle(), start_method="spawn", backend="scriptgloo", threads=2,
+                                timeout=2, show=None))
         """,
         tmp_path_factory.mktemp("script"),
     )
@@ -355,29 +367,9 @@ def test_a_machine_with_a_cuda_gpu_starts_ranks_with_spawn(monkeypatch):
     assert default_start_method("gloo") == default_start_method("nccl") == "spawn"
 
 
-class SlowToUnpickle:
-    """An argument that takes 2 s to unpickle in a spawned rank: start-up time, like importing torch."""
-
-    def __reduce__(self):
-        return (_sleep_then_make, (2.0,))
-
-
-def _sleep_then_make(seconds):
-    time.sleep(seconds)
-    return "unpickled"
-
-
-def _one_ddp_step(rank, world_size, slow):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    DDP(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()  # DDP's lazy import (torch._dynamo): seconds
-    return slow
-
-
-def test_the_timeout_counts_from_when_every_rank_has_started():
-    # Spawned ranks on a busy machine take seconds to start (import torch, unpickle the arguments, import
-    # what DDP loads lazily); a 2 s timeout must not count that ...
-    assert launch(_one_ddp_step, 2, SlowToUnpickle(), timeout=2, start_method="spawn", show=None) == ["unpickled"] * 2
+def test_the_timeout_counts_from_when_every_rank_has_started(launched_from_a_script):
+    # Spawned ranks on a busy machine take seconds to start; the script's 2 s timeout did not count that ...
+    assert [r[4] for r in launched_from_a_script["spawn"]] == ["unpickled"] * 2
     with pytest.raises(WorkerTimeoutError) as stuck:  # ... but once started, the timeout holds (the same
         launch(lambda r, w: time.sleep(30), 2, timeout=1, start_method="fork", show=None)  # code for fork)
     assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting

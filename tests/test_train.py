@@ -218,25 +218,30 @@ def two_agents(node_rank_options, out, *train_args, log_dir=None):
 
 @pytest.fixture(scope="module")
 def failing_jobs(tmp_path_factory):
-    """Two torchrun jobs at once, in which a rank fails:
+    """Two torchrun jobs at once, each two agents (like two nodes, 1 rank each), in which a rank fails:
 
-    * "elastic": two agents with a c10d rendezvous, like two nodes, --max-restarts=1; rank 1
-      is killed (SIGKILL) after step 20. Its agent restarts it, the other agent restarts rank 0
-      (the group changed), and the new ranks resume from the checkpoint of step 16;
-    * "record": standalone, 2 ranks, --max-restarts=0; rank 1 raises after step 4."""
+    * "elastic": a c10d rendezvous, --max-restarts=1; rank 1 is killed (SIGKILL) after step 20.
+      Its agent restarts it, the other agent restarts rank 0 (the group changed), and the new
+      ranks resume from the checkpoint of step 16;
+    * "record": a static rendezvous (node 0 hosts the store; each agent's --node-rank decides its
+      ranks), --max-restarts=0; rank 1 raises after step 4.
+
+    (`torchrun --standalone` runs in notebook 08, whose job crashes, restarts and must end with
+    course.launch's weights bit for bit.)"""
     base = tmp_path_factory.mktemp("failing")
     elastic, record = base / "elastic", base / "record"
-    port, = free_ports(1)
-    agents = two_agents(["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-job",
-                         "--max-restarts=1"], elastic / "w", "--checkpoint", elastic / "ckpt.pt",
-                        "--crash-at", "20", "--crash-how", "kill", log_dir=elastic / "logs")
-    commands = {
-        0: agents[0], 1: agents[1],
-        "record": torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=0", f"--log-dir={record / 'logs'}")
-        + ["--checkpoint", record / "ckpt.pt", "--crash-at", "4", "--out", record / "w.pt"],
-    }
+    elastic_port, static_port = free_ports(2)
+    elastic_agents = two_agents(["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{elastic_port}",
+                                 "--rdzv-id=elastic-job", "--max-restarts=1"], elastic / "w",
+                                "--checkpoint", elastic / "ckpt.pt", "--crash-at", "20", "--crash-how", "kill",
+                                log_dir=elastic / "logs")
+    static_agents = two_agents(["--master-addr=127.0.0.1", f"--master-port={static_port}", "--max-restarts=0"],
+                               record / "w", "--checkpoint", record / "ckpt.pt", "--crash-at", "4",
+                               log_dir=record / "logs")
+    commands = {("elastic", 0): elastic_agents[0], ("elastic", 1): elastic_agents[1],
+                ("record", 0): static_agents[0], ("record", 1): static_agents[1]}
     results = run_jobs(commands, base, clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
-    return {"elastic": ([results[0], results[1]], elastic), "record": (results["record"], record)}
+    return {job: ([results[job, 0], results[job, 1]], folder) for job, folder in (("elastic", elastic), ("record", record))}
 
 
 def test_two_agents_restart_after_a_lost_rank_and_end_with_the_same_weights(failing_jobs, reference):
@@ -277,41 +282,28 @@ def test_a_killed_rank_has_no_traceback_to_report(failing_jobs):
     assert "Signal 9 (SIGKILL) received by PID 4242" in report.format_msg()
 
 
+def test_two_torchrun_agents_with_a_static_rendezvous(failing_jobs):
+    results, folder = failing_jobs["record"]
+    outputs = [r.output for r in results]
+    assert "torchrun: 2 ranks, gloo on cpu" in outputs[0]  # rank 0 says so once the agents' ranks found each other
+    ranks_and_nodes = [re.search(r"rank (\d): local rank 0, node (\d)", out).groups() for out in outputs]
+    assert ranks_and_nodes == [("0", "0"), ("1", "1")]  # each agent's --node-rank decided its rank
+
+
 def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(failing_jobs):
-    result, folder = failing_jobs["record"]
-    assert not result.timed_out and result.returncode == 1, result.output[-3000:]
-    assert "torchrun: 2 ranks, gloo on cpu" in result.output  # --standalone: the ranks found each other
-    report = result.output[result.output.index("course.train FAILED"):]
+    results, folder = failing_jobs["record"]
+    node1 = results[1]  # the agent of rank 1 (static rendezvous: --node-rank=1)
+    assert not node1.timed_out and node1.returncode == 1, node1.output[-3000:]
+    report = node1.output[node1.output.index("course.train FAILED"):]
     failures = re.split(r"\n\[\d+\]:\n", report)[1:]  # one section per failed rank
-    crashed = [f for f in failures if re.search(r"rank\s*: 1 \(local_rank: 1\)", f)]
+    crashed = [f for f in failures if re.search(r"rank\s*: 1 \(local_rank: 0\)", f)]
     assert len(crashed) == 1
     assert "error_file: <N/A>" not in crashed[0]  # @record wrote it
-    assert len(error_files(folder / "logs", 0, 1)) == 1
+    assert len(error_files(f"{folder / 'logs'}1", 0, 0)) == 1
     assert 'in crash\n      raise RuntimeError(f"simulated failure' in crashed[0]
     assert "RuntimeError: simulated failure on rank 1 after step 4" in crashed[0]
-    assert not (folder / "w.pt").exists()
-
-
-# `torchrun --standalone` (one agent, 2 ranks) runs in the @record job above, and in notebook 08, whose
-# standalone job crashes, restarts and must end with course.launch's weights bit for bit (nbval checks it).
-
-
-@pytest.fixture(scope="module")
-def static_agents(tmp_path_factory):
-    """Two agents with a static rendezvous (node 0 hosts the store; each agent's --node-rank decides its ranks)."""
-    base = tmp_path_factory.mktemp("torchrun")
-    port, = free_ports(1)
-    agents = two_agents(["--master-addr=127.0.0.1", f"--master-port={port}"], base / "static")
-    results = run_jobs(dict(enumerate(agents)), base)
-    return [results[0], results[1]], base
-
-
-def test_two_torchrun_agents_with_a_static_rendezvous(static_agents, reference):
-    results, folder = static_agents
-    outputs = [ok(r) for r in results]
-    nodes = [int(re.search(r"rank (\d): local rank 0, node (\d)", out).group(2)) for out in outputs]
-    assert nodes == [0, 1]  # each agent's --node-rank
-    assert not (folder / "static1.pt").exists() and same(weights(folder / "static0.pt"), reference)  # rank 0 writes
+    assert not results[0].timed_out and results[0].returncode == 1  # rank 0 lost its peer: its agent fails too
+    assert not list(folder.glob("w*.pt"))
 
 
 FAKE_SRUN = """\

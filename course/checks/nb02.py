@@ -1,44 +1,46 @@
 """Checks for notebook 02 (collectives and data parallelism by hand)."""
 
-import os
+import contextlib
+import io
 import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from course.baseline import classic_data, single_device_step
 from course.exercises import correct, exercise, todo, wrong
-from course.launcher import launch
+from course.launcher import WorkerError, WorkerTimeoutError, launch
+from course.worker import PEER_GONE
 
 
-def run_with_torchrun(script: str, nproc: int, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``script`` (the text of a Python file) as ``torchrun --standalone --nproc-per-node=nproc``.
+def run_script(script: str, nproc: int, timeout: float = 30) -> list[str]:
+    """Run ``script`` (the text of a Python file) in ``nproc`` processes, as torchrun would start it:
+    each with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set and no
+    process group yet (``course.launch`` with ``init_process_group=False``). Returns what each printed.
 
-    ``python -m torch.distributed.run`` is torchrun: it works where the ``torchrun`` command is not on
-    the PATH (a notebook kernel's PATH often lacks the environment's ``bin``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "script.py")
-        path.write_text(script, encoding="utf-8")
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-        env["OMP_NUM_THREADS"] = "1"  # what torchrun would set anyway (it prints a banner when it has to)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    Forked from this process, the ranks need not import torch again: a torchrun job spends seconds
+    on that (its agent and every process), this takes a fraction of one."""
+    return launch(_run_as_main, nproc, script, init_process_group=False, show=None, timeout=timeout)
 
 
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# The processes write to one pipe at once: a line can be cut in two by another process's line, so the
-# results are picked out of the text rather than read line by line.
-_LINE = re.compile(r"rank (\d+) of (\d+): sum ([-+\d.e]+?)(?=rank |\s|$)")
+def _run_as_main(rank, world_size, script):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            exec(compile(script, "script.py", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:  # sys.exit() or sys.exit(0) ends a script successfully
+            if e.code not in (None, 0):
+                raise
+    return printed.getvalue()
+
+
+_LINE = re.compile(r"rank (\d+) of (\d+): sum ([-+\d.e]+)")
 
 
 @exercise("Exercise 1 (setup by hand)", hint="read RANK and WORLD_SIZE from os.environ, call dist.init_process_group(\"gloo\", init_method=\"env://\", ...), all_reduce a tensor holding rank + 1, print, then dist.destroy_process_group().")
-def setup_script(script, nproc=3):
+def setup_script(script, nproc=3, timeout=30):
     """Exercise 1: a script that sets up its own process group (env:// rendezvous), all-reduces
-    ``rank + 1`` and prints ``rank R of W: sum S``; run under torchrun with ``nproc`` processes."""
+    ``rank + 1`` and prints ``rank R of W: sum S``; run in ``nproc`` processes started as torchrun would."""
     if not isinstance(script, str):
         return wrong("give the script as a string (the text of the file torchrun runs).")
     if "✏️ your code here" in script and "init_process_group" not in script:
@@ -51,20 +53,26 @@ def setup_script(script, nproc=3):
     # another is still connecting makes that one fail with a gloo error that says nothing useful.
     if "all_reduce(" not in script:
         return wrong("all_reduce the tensor (every process calls dist.all_reduce), then print the sum.")
-    proc = run_with_torchrun(script, nproc)
+    try:
+        printed = run_script(script, nproc, timeout)
+    except WorkerTimeoutError as e:
+        return wrong(f"the script had not ended after {timeout:g} s (rank(s) {', '.join(map(str, e.ranks))} of {nproc} "
+                     "still running): does every process call the same collectives?")
+    except WorkerError as e:
+        reason = e.failed.get(e.rank, str(e).splitlines()[0])
+        if "not been initialized" in reason or "init_process_group" in reason:
+            return wrong(f"every process must call dist.init_process_group(...) before its first collective. ({reason})")
+        if any(text in reason for text in PEER_GONE):
+            return wrong(f"rank {e.rank} waited in a collective while another process had already ended: does every "
+                         "process call the same collectives, in the same order?")
+        return wrong(f"the script failed: {reason} (rank {e.rank} of {nproc}).")
     expected = {(r, nproc, nproc * (nproc + 1) / 2) for r in range(nproc)}
     found = set()
-    for rank, size, total in _LINE.findall(proc.stdout):
+    for rank, size, total in _LINE.findall("".join(printed)):
         try:
             found.add((int(rank), int(size), float(total)))
         except ValueError:
             return wrong(f"print the sum as a number: `rank {rank} of {size}: sum {total}`.")
-    if proc.returncode != 0:
-        errors = re.findall(r"^\w+(?:Error|Exception): .*$", proc.stderr, re.M)  # the ranks' own exceptions
-        reason = errors[-1] if errors else (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        if "not been initialized" in proc.stderr or "init_process_group" in proc.stderr:
-            return wrong(f"every process must call dist.init_process_group(...) before its first collective. ({reason.strip()})")
-        return wrong(f"the script failed under torchrun: {reason.strip()}")
     if not found:
         return wrong("each process must print one line `rank R of W: sum S` (for example `rank 0 of 2: sum 3`).")
     if {size for _, size, _ in found} != {nproc}:
@@ -73,8 +81,8 @@ def setup_script(script, nproc=3):
         return wrong("each process printed its own number: all_reduce the tensor (every process calls it) before printing.")
     if found != expected:
         return wrong(f"expected one line per rank with the sum 1 + 2 + ... + {nproc}; got {sorted(found)}.")
-    return correct(f"{nproc} processes started by torchrun each set up the process group from the environment, "
-                   "all-reduced, and tore it down.")
+    return correct(f"{nproc} processes, started as torchrun starts them, each set up the process group from the "
+                   "environment, all-reduced, and tore it down.")
 
 
 def _manual_data_parallel_step(rank, world_size, average_gradients):
