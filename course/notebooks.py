@@ -267,7 +267,7 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
         if n is None:
             dependent.add(i)
             continue
-        differs = solution.get(cell.get("id")) != cell.source
+        differs = (solution.get(cell.get("id")) or "").rstrip() != cell.source.rstrip()  # the build drops trailing newlines
         for s in n["statements"]:
             if differs or (s["reads"] | _closure(s["reads"], functions, "uses")) & tainted:
                 dependent.add(i)

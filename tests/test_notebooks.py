@@ -206,3 +206,11 @@ def test_a_loop_or_with_target_is_bound_before_its_body_reads_it():
     assert notebooks.student_cells_to_run(solution, student) == ["c0"]
     solution, student = _pair("answer = 3  # SOLUTION", "answer += 1")  # reads the stub's answer
     assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1"]
+
+
+def test_a_trailing_newline_does_not_make_a_cell_differ():
+    # The build writes each student cell without trailing newlines; the solution's may have one.
+    solution, student = _pair("answer = 3  # SOLUTION", "import time\ntime.sleep(9)\n")
+    sources = [({c.id: c.source for c in nb.cells})["c1"] for nb in (solution, student)]
+    assert sources == ["import time\ntime.sleep(9)\n", "import time\ntime.sleep(9)"]  # the build dropped it ...
+    assert notebooks.student_cells_to_run(solution, student) == ["c0"]  # ... and it is still the same cell
