@@ -332,29 +332,40 @@ def test_functions_defined_in_main_work_with_fork_and_with_spawn(launched_from_a
         assert [r[0] for r in launched_from_a_script[start_method]] == [102, 103], start_method
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
-def test_workers_die_with_the_kernel(tmp_path, how):
-    """Kernel killed (SIGKILL) or interrupted (SIGINT: the stop button): no orphans."""
+def test_workers_die_with_the_kernel(tmp_path):
+    """The stop button (SIGINT: the kernel lives on, and runs the cell again), then the kernel
+    killed (SIGKILL): no orphans either time. One script plays the kernel."""
     proc = _run_script(
         f"""
         import os, time, course
         from pathlib import Path
-        def job(rank, world_size):
-            Path({str(tmp_path)!r}, f"pid{{rank}}").write_text(str(os.getpid()))
+        def job(rank, world_size, attempt):
+            Path({str(tmp_path)!r}, f"pid{{attempt}}-{{rank}}").write_text(str(os.getpid()))
             time.sleep(60)
-        course.launch(job, 2, timeout=60)
+        try:
+            course.launch(job, 2, 0, timeout=60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        course.launch(job, 2, 1, timeout=60)
         """,
         tmp_path,
     )
-    pid_files = [tmp_path / f"pid{r}" for r in range(2)]
-    deadline = time.monotonic() + 60
-    while not all(f.exists() and f.read_text() for f in pid_files):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.05)
-    pids = [int(f.read_text()) for f in pid_files]
-    proc.send_signal(how)
-    proc.communicate(timeout=30)
-    assert _wait_gone(pids) == []
+
+    def rank_pids(attempt):
+        files = [tmp_path / f"pid{attempt}-{r}" for r in range(2)]
+        deadline = time.monotonic() + 60
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.05)
+        return [int(f.read_text()) for f in files]
+
+    first = rank_pids(0)
+    proc.send_signal(signal.SIGINT)
+    assert _wait_gone(first) == []
+    second = rank_pids(1)  # the "kernel" survived the interrupt and launched again
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate(timeout=30)[0]
+    assert "interrupted" in out and _wait_gone(second) == []
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork is the default on Linux only")
