@@ -337,8 +337,9 @@ def test_workers_die_with_the_kernel(tmp_path):
     killed (SIGKILL): no orphans either time. One script plays the kernel."""
     proc = _run_script(
         f"""
-        import os, time, course
+        import faulthandler, os, signal, time, course
         from pathlib import Path
+        faulthandler.register(signal.SIGUSR1)  # the test asks where the script is if it fails
         def job(rank, world_size, attempt):
             Path({str(tmp_path)!r}, f"pid{{attempt}}-{{rank}}").write_text(str(os.getpid()))
             time.sleep(60)
@@ -359,13 +360,26 @@ def test_workers_die_with_the_kernel(tmp_path):
             time.sleep(0.05)
         return [int(f.read_text()) for f in files]
 
-    first = rank_pids(0)
-    proc.send_signal(signal.SIGINT)
-    assert _wait_gone(first) == []
-    second = rank_pids(1)  # the "kernel" survived the interrupt and launched again
-    proc.send_signal(signal.SIGKILL)
-    out = proc.communicate(timeout=30)[0]
-    assert "interrupted" in out and _wait_gone(second) == []
+    script = psutil.Process(proc.pid)
+    try:
+        first = rank_pids(0)
+        proc.send_signal(signal.SIGINT)
+        left = _wait_gone(first, seconds=10)
+        if left:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            script.kill()
+            pytest.fail(f"ranks {left} outlived the interrupt; the script:\n{proc.communicate(timeout=30)[0]}")
+        second = rank_pids(1)  # the "kernel" survived the interrupt and launched again
+        proc.send_signal(signal.SIGKILL)
+        out = proc.communicate(timeout=30)[0]
+        assert "interrupted" in out and _wait_gone(second) == []
+    finally:  # a failure must not leave a sleeping script or ranks behind for the next tests
+        for p in [script, *script.children(recursive=True)] if proc.poll() is None else []:
+            p.kill()
+        for pid in [int(f.read_text() or 0) for f in tmp_path.glob("pid*")]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork is the default on Linux only")
