@@ -11,6 +11,8 @@ nbval runs every notebook it collects, one pytest item per code cell.
 * Likewise a test marked ``repeats_solution_notebook`` (parametrized by a solution notebook's
   ``path``) is skipped when that notebook runs in the same session: it calls the notebook's
   checks on the notebook's answers, which the notebook does itself (nbval compares the ✅).
+* A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
+  with the CPU; tests/nbval_sanitize.cfg makes nbval compare it as ``~N``.
 * With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
   one kernel. xdist hands out the files with the most items first (not the longest ones);
   without xdist, notebooks run first.
@@ -28,6 +30,11 @@ STUDENT_DIR = ROOT / "notebooks"
 
 def _is_notebook_cell(item):
     return isinstance(getattr(item, "options", None), dict) and str(item.path).endswith(".ipynb")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "nbval_sanitize_with", "unset") is None:  # nbval loaded, no file given
+        config.option.nbval_sanitize_with = str(ROOT / "tests" / "nbval_sanitize.cfg")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,6 +62,27 @@ def test_every_nbval_marker_is_one_nbval_reads(name):
             assert line.strip().lstrip("#").strip() in comment_markers, f"put the marker on a line of its own: {line!r}"
 
 
+def test_numbers_marked_with_a_tilde_are_compared_as_n_and_nothing_else_is(pytestconfig):
+    """A measurement that changes with the CPU is printed as ``~0.88``; nbval (given
+    tests/nbval_sanitize.cfg by conftest.py) compares it as ``~N``. Unmarked numbers, and a
+    tilde in prose, are still compared exactly."""
+    from nbval.plugin import get_sanitize_patterns
+
+    path = pytestconfig.getoption("nbval_sanitize_with")
+    assert path and path.endswith("nbval_sanitize.cfg")
+    with open(path) as f:
+        patterns = get_sanitize_patterns(f.read())
+
+    def sanitize(text):
+        for regex, replace in patterns:
+            text = re.sub(regex, replace, text)
+        return text
+
+    assert sanitize("test loss ~0.88, accuracy ~77.0%, ~1.3e-07") == "test loss ~N, accuracy ~N, ~N"
+    assert sanitize("test loss ~-1,234.5 and 0.32") == "test loss ~N and 0.32"
+    assert sanitize("differ by 1.3e-07; ~ 3 s; a~b") == "differ by 1.3e-07; ~ 3 s; a~b"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_student_notebooks_contain_no_solutions_and_no_outputs(name):
     solution = nbformat.read(SOLUTIONS / name, as_version=4)
