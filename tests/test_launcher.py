@@ -360,7 +360,6 @@ def test_workers_die_with_the_kernel(tmp_path):
             time.sleep(0.05)
         return [int(f.read_text()) for f in files]
 
-    script = psutil.Process(proc.pid)
     try:
         first = rank_pids(0)
         proc.send_signal(signal.SIGINT)
@@ -368,16 +367,15 @@ def test_workers_die_with_the_kernel(tmp_path):
         if left:
             proc.send_signal(signal.SIGUSR1)
             time.sleep(1)
-            script.kill()
+            proc.kill()
             pytest.fail(f"ranks {left} outlived the interrupt; the script:\n{proc.communicate(timeout=30)[0]}")
         second = rank_pids(1)  # the "kernel" survived the interrupt and launched again
         proc.send_signal(signal.SIGKILL)
         out = proc.communicate(timeout=30)[0]
         assert "interrupted" in out and _wait_gone(second) == []
     finally:  # a failure must not leave a sleeping script or ranks behind for the next tests
-        for p in [script, *script.children(recursive=True)] if proc.poll() is None else []:
-            p.kill()
-        for pid in [int(f.read_text() or 0) for f in tmp_path.glob("pid*")]:
+        proc.kill()
+        for pid in [int(text) for text in (f.read_text() for f in tmp_path.glob("pid*")) if text]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
