@@ -340,6 +340,11 @@ def test_workers_die_with_the_kernel(tmp_path):
         import faulthandler, os, signal, time, course
         from pathlib import Path
         faulthandler.register(signal.SIGUSR1)  # the test asks where the script is if it fails
+        # ipykernel runs each cell under signal.default_int_handler (kernelbase.pre_handler_hook),
+        # whatever it inherited. Python installs that handler only if SIGINT was not ignored at
+        # start-up, and a non-interactive shell starts background jobs (`pytest &`, as CI may)
+        # with SIGINT ignored: without this line the interrupt did nothing there.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         def job(rank, world_size, attempt):
             Path({str(tmp_path)!r}, f"pid{{attempt}}-{{rank}}").write_text(str(os.getpid()))
             time.sleep(60)
