@@ -108,6 +108,26 @@ def _assigns_into_the_tuple(tensor):
         parts[(rank - 2 - step) % n] += received  # TypeError: tensor_split returns a tuple
 
 
+def _direct_exchange(tensor):
+    """A ring's bytes, but every rank talks to every other: chunk j goes straight to rank j, summed there,
+    then rank j sends the sum of chunk j straight to everyone."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    parts = _split(tensor)
+    others = [r for r in range(n) if r != rank]
+    sends = [dist.isend(parts[r], r) for r in others]
+    for r in others:
+        received = torch.empty_like(parts[rank])
+        dist.recv(received, r)
+        parts[rank].add_(received)
+    for req in sends:
+        req.wait()
+    sends = [dist.isend(parts[rank], r) for r in others]
+    for r in others:
+        dist.recv(parts[r], r)
+    for req in sends:
+        req.wait()
+
+
 def _blocking_sends(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     received = torch.empty_like(tensor)
@@ -127,6 +147,7 @@ def _blocking_sends(tensor):
         (_chunk_instead_of_tensor_split, "torch.tensor_split always returns N"),
         (_assigns_into_the_tuple, "change a chunk in place"),
         (_blocking_sends, "waited forever in a send"),
+        (_direct_exchange, "In a ring a rank sends only to its right neighbour"),
         (42, "write a function"),
     ],
 )
@@ -160,6 +181,19 @@ class _Blocking:
     def grad_ready(self, p):
         p.grad /= dist.get_world_size()
         dist.all_reduce(p.grad)
+
+    def finish(self):
+        pass
+
+
+class _WaitsInTheHook:
+    def __init__(self, model):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        dist.all_reduce(p.grad, async_op=True).wait()  # async in name only: backward waits here
 
     def finish(self):
         pass
@@ -213,6 +247,7 @@ class _OnlyWeights(_NoAverage):
     [
         (_AfterBackward, "started after backward had returned"),
         (_Blocking, "pass async_op=True"),
+        (_WaitsInTheHook, "during backward (in the hook)"),
         (_NoWait, "must wait() for every all-reduce"),
         (_NoAverage, "divide each gradient by the world size"),
         (_HookTwice, "register the hook once per parameter"),

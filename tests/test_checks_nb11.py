@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb11
-from course.zero import flat_padded
+from course.zero import flat_padded, zero1_step
 
 # ------------------------------------------------------------------ Exercise 1 (zero1_step)
 
@@ -78,6 +78,20 @@ def _wrong_slice(model, shard, optimizer):
     _gather(model, shard, grads)
 
 
+def _never_steps(model, shard, optimizer):
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    shard.grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(shard.grad, grads)
+    shard.grad /= world_size
+    _gather(model, shard, grads)
+
+
+def _zero_grad_after_the_step(model, shard, optimizer):
+    zero1_step(model, shard, optimizer)
+    optimizer.zero_grad()  # shard.grad = None: harmless once the step is done
+
+
 def _crashes(model, shard, optimizer):
     raise KeyError("oops")
 
@@ -88,7 +102,8 @@ def _crashes(model, shard, optimizer):
         (_no_division, "divide by the world size"),
         (_no_gather, "all_gather the updated shards"),
         (_all_reduce, "you used all_reduce"),
-        (_never_sets_grad, "shard.grad is None"),
+        (_never_sets_grad, "shard.grad was None"),
+        (_never_steps, "never called optimizer.step()"),
         (_gathers_the_gradient, "the weights differ from DDP + Adam"),
         (_wrong_slice, "not this rank's slice"),
         (_crashes, "KeyError"),
@@ -99,12 +114,17 @@ def test_zero1_step_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
+def test_zero1_step_accepts_a_step_that_zeroes_the_gradient_afterwards():
+    assert nb11.zero1_step(_zero_grad_after_the_step).status == "correct"
+
+
 # ------------------------------------------------------------------ Exercise 2 (bytes_per_rank)
 
+# P = 3,371 values (not a multiple of 4) in T = 4 tensors, 4 ranks
 RIGHT = {
-    0: {"parameters": 13360, "gradients": 13360, "optimizer": 26736},
-    1: {"parameters": 13360, "gradients": 13360, "optimizer": 6684},
-    3: {"parameters": 3604, "gradients": 3604, "optimizer": 7224},
+    0: {"parameters": 13484, "gradients": 13484, "optimizer": 26984},  # 4P, 4P, 8P + 4T
+    1: {"parameters": 13484, "gradients": 13484, "optimizer": 6748},  # 8 ceil(P/4) + 4: the padded slice
+    3: {"parameters": 3604, "gradients": 3604, "optimizer": 7224},  # rows 8/30, 8/30, 3/11, 3/11 -> 901 values
 }
 
 
@@ -122,23 +142,25 @@ def test_bytes_per_rank_answer_is_what_a_real_run_measures():
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_with(0, "optimizer", 13376), "*two* tensors per parameter"),  # one moment only
+        (_with(0, "optimizer", 13500), "*two* tensors per parameter"),  # one moment only
         (_with(3, "optimizer", 3620), "*two* tensors per parameter"),
-        (_with(0, "optimizer", 26720), "count Adam's `step` too"),
-        (_with(1, "optimizer", 6680), "count Adam's `step` too"),
-        (_with(1, "optimizer", 6696), "one step counter"),
-        (_with(1, "parameters", 3340), "ZeRO-1 shards only the optimizer state"),
-        (_with(1, "gradients", 3340), "ZeRO-1 keeps the full gradients"),
-        (_with(0, "parameters", 3340), "DDP replicates everything"),
-        (_with(3, "parameters", 3340), "round up per tensor"),  # P / N: forgets the padding of uneven shards
-        (_with(3, "optimizer", 6696), "round up per tensor"),
-        (_with(3, "gradients", 13360), "reduce-scatters the gradients"),
+        (_with(0, "optimizer", 26968), "count Adam's `step` too"),
+        (_with(1, "optimizer", 6744), "count Adam's `step` too"),
+        (_with(1, "optimizer", 6760), "one step counter"),
+        (_with(1, "optimizer", 6746), "padded to a multiple of the world size"),  # 8P/4 + 4: no padding
+        (_with(1, "parameters", 3371), "ZeRO-1 shards only the optimizer state"),
+        (_with(1, "parameters", 3372), "ZeRO-1 shards only the optimizer state"),
+        (_with(1, "gradients", 3371), "ZeRO-1 keeps the full gradients"),
+        (_with(0, "parameters", 3371), "DDP replicates everything"),
+        (_with(3, "parameters", 3371), "round up per tensor"),  # P / N: forgets the padding of uneven shards
+        (_with(3, "optimizer", 6758), "round up per tensor"),
+        (_with(3, "gradients", 13484), "reduce-scatters the gradients"),
         (_with(3, "parameters", 3604.5), "whole numbers"),
         (_with(3, "parameters", 3.52), "not KiB"),
         (_with(3, "parameters", 999), "1 of the 9 numbers are off, the first: stage 3, parameters"),
         ({**RIGHT, 3: [3604, 3604, 7224]}, "stage3 must be a dict with the keys"),
         ({**RIGHT, 3: {"parameters": 1}}, "stage3 must be a dict with the keys"),
-        (_with(0, "gradients", "13360"), "numbers of bytes"),
+        (_with(0, "gradients", "13484"), "numbers of bytes"),
     ],
 )
 def test_bytes_per_rank_rejects_wrong_answers(answer, hint):

@@ -123,14 +123,17 @@ def test_tp_all_reduces_rejects_wrong_answers(answer, hint):
 # ------------------------------------------------------------------ Exercise 3: DTensor attention
 
 
-def _plan(q, k, v, out, set_heads=True, returns=True):
+def _plan(q, k, v, out, set_heads=lambda block, mesh: setattr(block, "n_heads", block.n_heads // mesh.size()),
+          returns=True, after=None):
     def parallelize(block, mesh):
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = {name: style() for name, style in zip(("q", "k", "v", "out"), (q, k, v, out)) if style}
         parallelize_module(block, mesh, plan)
         if set_heads:
-            block.n_heads //= mesh.size()
+            set_heads(block, mesh)
+        if after:
+            after(block)
         return block if returns else None
 
     return parallelize
@@ -142,10 +145,30 @@ def _styles():
     return ColwiseParallel, RowwiseParallel
 
 
+def _heads_per_rank_is_the_world_size(block, mesh):
+    block.n_heads = mesh.size()
+
+
+def _heads_halved(block, mesh):  # right for 2 ranks only
+    block.n_heads //= 2
+
+
+def _two_heads(block, mesh):  # 4 heads / 2 ranks, hard-coded
+    block.n_heads = 2
+
+
+def _freeze_v(block):  # only v's weight gradient is wrong (missing): the check compares k and v too
+    block.v.weight.requires_grad_(False)
+
+
 def test_tensor_parallel_attention_rejects_wrong_answers():
     col, row = _styles()
     cases = [
-        (_plan(col, col, col, row, set_heads=False), "set block.n_heads"),
+        (_plan(col, col, col, row, set_heads=None), "set block.n_heads"),
+        (_plan(col, col, col, row, set_heads=_heads_per_rank_is_the_world_size), "block.n_heads is 4"),
+        (_plan(col, col, col, row, set_heads=_heads_halved), "block.n_heads is 6"),
+        (_plan(col, col, col, row, set_heads=_two_heads), "block.n_heads is 2"),
+        (_plan(col, col, col, row, after=_freeze_v), "gradients of v.weight are not"),
         (_plan(col, col, col, col), "RowwiseParallel"),
         (_plan(row, row, row, row), "ColwiseParallel"),
         (_plan(col, col, col, None), "out still hold whole weights"),
@@ -157,6 +180,8 @@ def test_tensor_parallel_attention_rejects_wrong_answers():
         assert feedback.status == "wrong" and hint in feedback.message, (hint, feedback)
 
 
-def test_tensor_parallel_attention_accepts_a_correct_plan_on_4_ranks():
+def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_and_4_ranks():
     col, row = _styles()
-    assert nb12.tensor_parallel_attention(_plan(col, col, col, row), world_size=4).status == "correct"
+    assert nb12.ATTENTION_CASES == [(2, 8, 4), (4, 24, 12)]  # 3 heads per rank on 4 ranks: != ranks, != 4 // 2
+    feedback = nb12.tensor_parallel_attention(_plan(col, col, col, row))
+    assert feedback.status == "correct", feedback

@@ -5,22 +5,54 @@ import pytest
 from course.checks import nb13
 
 
+P, M = 4, 5  # Exercise 1's schedule: the bubble is (p - 1) / (m + p - 1) = 3/8
+
+
+@pytest.mark.parametrize("answer", [3 / 8, 0.375, 0.38])
+def test_bubble_fraction_accepts_the_formula(answer):
+    assert nb13.bubble_fraction(answer).status == "correct"
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (3 / 6, "(p - 1) / m compares the idle time with the *busy* time"),
-        (3 / 4, "bubble with a single micro-batch"),
-        (3 / 10, "off by one slot"),
-        (6 / 9, "*busy*"),
-        (33.3, "as a percentage"),
-        (0.1, "count how many slots the step lasts"),
-        ("1/3", "answer with a number"),
+        ((P - 1) / M, "(p - 1) / m compares the idle time with the *busy* time"),
+        ((P - 1) / P, "bubble with a single micro-batch"),
+        ((P - 1) / (M + P), "off by one"),
+        (M / (M + P - 1), "*busy*"),
+        (37.5, "as a percentage"),
+        (0.1, "count how many forwards the forward phase lasts"),
+        ("3/8", "answer with a number"),
         (True, "answer with a number"),
     ],
 )
 def test_bubble_fraction_rejects_wrong_answers(answer, hint):
     feedback = nb13.bubble_fraction(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "1 / (p - 1)",
+        "(p - 2) / m",
+        "(p - 1) / m",
+        "(p - 1) / (m + p)",
+        "(p - 1) / (m + p - 2)",
+        "(p - 2) / (m + p - 2)",
+        "p / (m + p - 1)",
+        "p / (m + p)",
+        "(m - 1) / (m + p - 1)",  # m and p swapped
+        "1 / p",
+        "1 / m",
+        "(p - 1) / (2 * m + p - 1)",
+    ],
+)
+def test_bubble_fraction_rejects_plausible_wrong_formulas(formula):
+    """With p = 4, m = 5 no plausible wrong formula lands within the check's tolerance of 3/8."""
+    value = eval(formula, {"p": P, "m": M})
+    assert abs(value - 3 / 8) > 0.02, formula
+    assert nb13.bubble_fraction(value).status == "wrong", formula
 
 
 def _with_warmup(warmup_of, cooldown=True):

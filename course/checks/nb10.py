@@ -83,8 +83,10 @@ def _run_ring(rank, world_size, fn):
         returned = fn(x)
         ops = [e.op for e in tracing.collectives()]
         sent = sum(e.bytes for e in tracing.collectives() if e.op == "send")
+        sent_to = sorted({e.root for e in tracing.collectives() if e.op == "send"})
         returned = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
-        out.append({"n": n, "in": original, "after": x.clone(), "returned": returned, "ops": ops, "sent": sent})
+        out.append({"n": n, "in": original, "after": x.clone(), "returned": returned, "ops": ops, "sent": sent,
+                    "sent_to": sent_to})
     return out
 
 
@@ -158,7 +160,16 @@ def ring_all_reduce(fn, timeout=None):
                         f"In a ring every rank sends only one chunk (1/N of the tensor) per step, 2(N - 1) steps: at most "
                         f"{limit:,} bytes here."
                     )
-    return correct("the sums of dist.all_reduce on 2 and 3 ranks, for lengths 1001, 7, 2 and 1, with a ring's bytes per rank.")
+                right = (rank + 1) % world_size
+                others = [peer for peer in row["sent_to"] if peer != right]
+                if others:  # the bytes alone cannot tell a ring from a direct exchange
+                    return wrong(
+                        f"the sums and the bytes are right, but rank {rank} also sent to rank(s) "
+                        f"{', '.join(map(str, others))} {where}. In a ring a rank sends only to its right "
+                        f"neighbour, (rank + 1) % N (here {right}), and receives only from its left one."
+                    )
+    return correct("the sums of dist.all_reduce on 2 and 3 ranks, for lengths 1001, 7, 2 and 1, with a ring's bytes "
+                   "per rank, each sent to the right neighbour.")
 
 
 # ------------------------------------------------------------------ Exercise 3: overlap per parameter
@@ -177,6 +188,8 @@ class _Watched:
 
     def wait(self, *args, **kwargs):
         self.log["waited"] += 1
+        if self.log["in backward"]:  # backward stops here until the all-reduce is done
+            self.log["problem"] = self.log["problem"] or "waited in backward"
         return self.work.wait(*args, **kwargs)
 
     def get_future(self):
@@ -251,6 +264,9 @@ def overlap_per_parameter(cls):
                      "(p.register_post_accumulate_grad_hook), while backward is still running.")
     if result["problem"] == "synchronous":
         return wrong("pass async_op=True: a blocking all_reduce inside the hook stops backward until it is done, so nothing overlaps.")
+    if result["problem"] == "waited in backward":
+        return wrong("you wait() for an all-reduce during backward (in the hook): backward stops there until it is "
+                     "done, so nothing overlaps. Keep the handles and wait for them in finish().")
     if result["launched"] != result["per_step"]:
         return wrong(f"expected one all-reduce per parameter per step ({result['per_step']} in 3 steps), "
                      f"got {result['launched']}: register the hook once per parameter.")

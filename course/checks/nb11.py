@@ -27,6 +27,10 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.1)
     model = _model()
     shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=0.1)
+    # shard.grad as the optimizer sees it when it steps (an answer may zero_grad() after its step)
+    at_step = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
+        None if shard.grad is None else shard.grad.detach().clone()))
     flat_grads, shard_grads = [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(10 * step + rank)  # different data on every rank
@@ -37,8 +41,9 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         ddp_optimizer.step()
         flat_grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         tracing.clear()
+        at_step.clear()
         step_fn(model, shard, optimizer)
-        shard_grads.append(None if shard.grad is None else shard.grad.detach().clone())
+        shard_grads.append(at_step[-1] if at_step else "no step")
     ops = sorted({e.op for e in tracing.collectives()})
     flat = torch.nn.utils.parameters_to_vector
     return {
@@ -65,9 +70,12 @@ def zero1_step(fn, world_size=2):
     mean_grad = sum(r["flat_grads"][-1] for r in results) / world_size
     mean_grad = nn.functional.pad(mean_grad, (0, -n % world_size))
     expected = mean_grad.chunk(world_size)
+    if any(isinstance(g, str) for r in results for g in r["shard_grads"]):
+        return wrong("your function never called optimizer.step(): the optimizer (which knows only `shard`) must "
+                     "update this rank's slice.")
     if any(g is None for r in results for g in r["shard_grads"]):
-        return wrong("after your step shard.grad is None: the optimizer only updates `shard` if you set shard.grad "
-                     "(to this rank's slice of the averaged gradient) before optimizer.step().")
+        return wrong("when optimizer.step() ran, shard.grad was None: the optimizer only updates `shard` if you set "
+                     "shard.grad (to this rank's slice of the averaged gradient) before optimizer.step().")
     got = [r["shard_grads"][-1] for r in results]
     if all(torch.allclose(g, world_size * e, atol=1e-6) for g, e in zip(got, expected)):
         return wrong("reduce_scatter_tensor sums over the ranks: divide by the world size for the mean "
@@ -97,7 +105,7 @@ KINDS = ("parameters", "gradients", "optimizer")
 
 def _bytes_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(100, 30), nn.ReLU(), nn.Linear(30, 10))
+    return nn.Sequential(nn.Linear(100, 30), nn.ReLU(), nn.Linear(30, 11))  # P = 3,371: not a multiple of 4
 
 
 def _measure_stages(rank, world_size):
@@ -170,7 +178,7 @@ def _plausible_mistakes(world_size=4):
 
 @exercise(
     "Exercise 2 (bytes_per_rank)",
-    hint="P = 3,340 values in 4 tensors, 4 bytes each; Adam: 2 values per parameter value + a 4-byte step per "
+    hint="P = 3,371 values in 4 tensors, 4 bytes each; Adam: 2 values per parameter value + a 4-byte step per "
     "tensor it updates. ZeRO-1 shards only Adam's state (over a flat, padded vector); FSDP2 shards each tensor by rows.",
 )
 def bytes_per_rank(stage0, stage1, stage3):

@@ -156,59 +156,64 @@ def tp_all_reduces(forward_all_reduces, backward_all_reduces, bytes_per_all_redu
 # ------------------------------------------------------------------ Exercise 3: DTensor attention
 
 
-DIM, HEADS, SEQ = 8, 4, 5
+SEQ = 5
+# (ranks, features, heads): the notebook's 4 heads on 2 ranks, then 12 heads on 4 ranks (3 per rank), so that
+# neither heads per rank == ranks (n_heads = mesh.size()) nor a count hard-coded for 2 ranks (n_heads //= 2,
+# n_heads = 2) passes.
+ATTENTION_CASES = [(2, 8, 4), (4, 24, 12)]
+PROJECTIONS = ("q", "k", "v", "out")
 
 
-def _attention_run(rank, world_size, parallelize):
+def _attention_run(rank, world_size, parallelize, shapes):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    torch.manual_seed(0)
-    full = tp.SelfAttention(DIM, HEADS).double()
     mesh = init_device_mesh("cpu", (world_size,))
-    block = parallelize(copy.deepcopy(full), mesh)
-    if not isinstance(block, nn.Module):
-        return {"not_module": repr(type(block))}
-    placements = {}
-    for name in ("q", "k", "v", "out"):
-        w = getattr(getattr(block, name, None), "weight", None)
-        placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
-    x = torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    upstream = torch.randn(2, SEQ, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
-    (full(x_full) * upstream).sum().backward()
-    try:
-        y = block(x_part)
-        if isinstance(y, DTensor):
-            y = y.full_tensor()
-        (y * upstream).sum().backward()
-    except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
-        return {"placements": placements, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    ok_weight_grads = True
-    for name in ("q", "out"):  # a column- and a row-parallel projection: compare the whole gradient
-        grad = getattr(block, name).weight.grad
-        if isinstance(grad, DTensor):
-            grad = grad.full_tensor()
-        expected = getattr(full, name).weight.grad
-        ok_weight_grads &= grad is not None and grad.shape == expected.shape and torch.allclose(grad, expected, rtol=1e-9, atol=1e-9)
-    return {
-        "placements": placements,
-        "n_heads": getattr(block, "n_heads", None),
-        "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
-        "ok_grad": torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
-        "ok_weight_grads": bool(ok_weight_grads),
-    }
+    results = []
+    for dim, heads in shapes:
+        torch.manual_seed(0)
+        full = tp.SelfAttention(dim, heads).double()
+        block = parallelize(copy.deepcopy(full), mesh)
+        if not isinstance(block, nn.Module):
+            return [{"not_module": repr(type(block))}]
+        placements = {}
+        for name in PROJECTIONS:
+            w = getattr(getattr(block, name, None), "weight", None)
+            placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
+        x = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        upstream = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (full(x_full) * upstream).sum().backward()
+        result = {"placements": placements, "n_heads": getattr(block, "n_heads", None)}
+        results.append(result)
+        try:
+            y = block(x_part)
+            if isinstance(y, DTensor):
+                y = y.full_tensor()
+            (y * upstream).sum().backward()
+        except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
+            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        bad_weight_grads = []
+        for name in PROJECTIONS:  # column-parallel q, k, v and row-parallel out: compare the whole gradient
+            grad = getattr(block, name).weight.grad
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            expected = getattr(full, name).weight.grad
+            if not (grad is not None and grad.shape == expected.shape and torch.allclose(grad, expected, rtol=1e-9, atol=1e-9)):
+                bad_weight_grads.append(f"{name}.weight")
+        result.update(
+            ok_output=y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
+            ok_grad=x_part.grad is not None and torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
+            bad_weight_grads=bad_weight_grads,
+        )
+    return results
 
 
-@exercise(
-    "Exercise 3 (tensor_parallel_attention)",
-    hint="give each rank whole heads: q, k and v split their output features, out splits its input features; "
-    "then the block must know how many heads it holds now.",
-)
-def tensor_parallel_attention(parallelize, world_size=2):
-    """Exercise 3: split an attention block's heads with parallelize_module."""
-    results = launch(_attention_run, world_size, parallelize, show=None, timeout=60)
+def _judge_attention(results, world_size, heads):
+    """The feedback for one (ranks, features, heads) case, or None if every rank got it right."""
     r = results[0]
+    case = f"{heads} heads on {world_size} ranks"
     if "not_module" in r:
         return wrong(f"return the block (parallelize_module returns it); got {r['not_module']}.")
     p = r["placements"]
@@ -219,17 +224,43 @@ def tensor_parallel_attention(parallelize, world_size=2):
         return wrong("q, k and v must split their *output* features (whole heads per rank): ColwiseParallel.")
     if p["out"] != "Shard(dim=1)":
         return wrong("out must combine the heads, which are split across ranks along its *input* features: RowwiseParallel.")
+    failed = "error" in r or not all(q["ok_output"] for q in results)
+    per_rank = heads // world_size
+    if failed and r["n_heads"] == heads:
+        return wrong(f"each rank now computes {per_rank} of the {heads} heads, but the block still "
+                     f"splits its features into {heads} heads (of 1/{world_size} the size): set block.n_heads.")
+    if failed and r["n_heads"] != per_rank:
+        return wrong(f"with {case}, each rank holds {per_rank} whole heads, but block.n_heads is {r['n_heads']}: "
+                     "compute it from the block's heads and the mesh (the check also runs other head counts and "
+                     "numbers of ranks).")
     if "error" in r:
-        return wrong(f"the block failed: {r['error']}")
-    if r["n_heads"] == HEADS and not r["ok_output"]:
-        return wrong(f"each rank now computes {HEADS // world_size} of the {HEADS} heads, but the block still "
-                     f"splits its features into {HEADS} heads (of half the size): set block.n_heads.")
+        return wrong(f"with {case}, the block failed: {r['error']}")
     if not all(q["ok_output"] for q in results):
         bad = [rank for rank, q in enumerate(results) if not q["ok_output"]]
-        return wrong(f"the output on rank(s) {bad} differs from the unsplit block's.")
+        return wrong(f"with {case}, the output on rank(s) {bad} differs from the unsplit block's.")
     if not all(q["ok_grad"] for q in results):
-        return wrong("the output is right but the input gradient is not.")
-    if not all(q["ok_weight_grads"] for q in results):
-        return wrong("the output and the input gradient are right, but the gradients of q.weight or out.weight are not.")
-    return correct(f"{HEADS} heads over {world_size} ranks: on every rank the output, the input gradient and the "
-                   "gradients of q.weight and out.weight equal the unsplit block's.")
+        return wrong(f"with {case}, the output is right but the input gradient is not.")
+    bad = sorted({name for q in results for name in q["bad_weight_grads"]})
+    if bad:
+        return wrong(f"with {case}, the output and the input gradient are right, but the gradients of "
+                     f"{', '.join(bad)} are not.")
+    return None
+
+
+@exercise(
+    "Exercise 3 (tensor_parallel_attention)",
+    hint="give each rank whole heads: q, k and v split their output features, out splits its input features; "
+    "then the block must know how many heads it holds now.",
+)
+def tensor_parallel_attention(parallelize):
+    """Exercise 3: split an attention block's heads with parallelize_module."""
+    for world_size in sorted({n for n, _, _ in ATTENTION_CASES}):
+        shapes = [(dim, heads) for n, dim, heads in ATTENTION_CASES if n == world_size]
+        results = launch(_attention_run, world_size, parallelize, shapes, show=None, timeout=60)
+        for i, (_, heads) in enumerate(shapes):
+            feedback = _judge_attention([q[i] if i < len(q) else q[0] for q in results], world_size, heads)
+            if feedback is not None:
+                return feedback
+    cases = ", ".join(f"{heads} heads on {n} ranks" for n, _, heads in ATTENTION_CASES)
+    return correct(f"{cases}: on every rank the output, the input gradient and the gradients of "
+                   "q, k, v and out's weights equal the unsplit block's.")

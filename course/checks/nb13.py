@@ -41,7 +41,9 @@ def _reference_grads(batch):
 
 # ------------------------------------------------------------------ Exercise 1
 
-P1, M1 = 4, 6  # the schedule whose bubble the student predicts
+# The schedule whose bubble the student predicts. m = 5 keeps the answer, 3/8, apart from plausible wrong
+# formulas (m = 6 gave 1/3, which 1/(p - 1) and (p - 2)/m also give; m = p would accept m and p swapped).
+P1, M1 = 4, 5
 
 
 def _is_number(answer):
@@ -50,11 +52,11 @@ def _is_number(answer):
 
 @exercise(
     "Exercise 1 (bubble fraction)",
-    hint="draw it: how many time slots (one forward plus one backward each) does the whole step take, "
-    "and in how many of them is a stage working?",
+    hint="draw it: how long does the forward phase last, from stage 0's first forward to the last stage's "
+    "last forward (count forwards), how long the backward phase, and how much of that is a stage working?",
 )
 def bubble_fraction(answer):
-    """Exercise 1: the fraction of a GPipe step each stage is idle, for p = 4 stages, m = 6 micro-batches."""
+    """Exercise 1: the fraction of a GPipe step each stage is idle, for p = 4 stages, m = 5 micro-batches."""
     if not _is_number(answer):
         return wrong("answer with a number between 0 and 1, e.g. 0.25 or 1/4.")
     measured = bubble(simulate([gpipe_order(M1)] * P1))  # the bubble is a property of the order
@@ -62,7 +64,7 @@ def bubble_fraction(answer):
     if close(measured):
         return correct(
             f"GPipe's order on {P1} stages with {M1} micro-batches, replayed in logical time, leaves each stage "
-            f"idle {measured:.3f} of the step: (p - 1) / (m + p - 1) = 3/9."
+            f"idle {measured:.3f} of the step: (p - 1) / (m + p - 1) = {P1 - 1}/{M1 + P1 - 1}."
         )
     if 1 < answer <= 100 and abs(answer / 100 - measured) < 0.01:
         return wrong("right number, but as a percentage: give the fraction (between 0 and 1).")
@@ -72,14 +74,14 @@ def bubble_fraction(answer):
             "whole step, and the step is longer than the busy time by exactly the idle time."
         )
     if close((P1 - 1) / P1):
-        return wrong("that is the bubble with a single micro-batch: with 6 micro-batches the stages overlap.")
+        return wrong(f"that is the bubble with a single micro-batch: with {M1} micro-batches the stages overlap.")
     if close((P1 - 1) / (M1 + P1)):
-        return wrong("off by one slot: the last stage starts its first forward p - 1 forward slots after stage 0, not p.")
+        return wrong("off by one: the last stage starts its first forward p - 1 forwards after stage 0, not p.")
     if close(1 - measured):
         return wrong("that is the fraction of the step a stage is *busy*; the bubble is the idle part.")
     return wrong(
-        "each stage works m slots (a forward and a backward each); count how many slots the step lasts, "
-        "from stage 0's first forward to stage 0's last backward."
+        "each stage works m forwards and m backwards; count how many forwards the forward phase lasts "
+        "(until the last micro-batch leaves the last stage) and how many backwards the backward phase."
     )
 
 
