@@ -55,8 +55,37 @@ def _waits_and_returns_a_tensor(process_group, bucket):
 def _returns_zeros(process_group, bucket):
     fut = torch.futures.Future()
     fut.set_result(torch.zeros_like(bucket.buffer()))
-    dist.all_reduce(bucket.buffer().to(torch.bfloat16))
+    dist.all_reduce(bucket.buffer().to(torch.bfloat16), group=process_group, async_op=True)
     return fut
+
+
+def _blocking_then_a_done_future(process_group, bucket):  # right values, but backward waits in the hook
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    dist.all_reduce(compressed, group=process_group)
+    fut = torch.futures.Future()
+    fut.set_result(buffer.copy_(compressed))
+    return fut
+
+
+def _async_then_waits(process_group, bucket):
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    work.wait()  # "async" in name only
+    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _ignores_the_group(process_group, bucket):  # always the default group
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    return dist.all_reduce(compressed, async_op=True).get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _float32_too(process_group, bucket):  # a bfloat16 all-reduce, plus the float32 one it should replace
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    dist.all_reduce(buffer.to(torch.bfloat16), group=process_group, async_op=True)
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _wrong_parameter_name(state, grads):
@@ -100,6 +129,10 @@ def _raises(process_group, bucket):
         (_returns_zeros, "copy the result back into the float32 buffer"),
         (_wrong_parameter_name, "must be named `bucket`"),
         (_raises, "a rank failed: ValueError: typo"),
+        (_blocking_then_a_done_future, "the hook waits for its all-reduce"),
+        (_async_then_waits, "the hook waits for its all-reduce"),
+        (_ignores_the_group, "all-reduce in that group"),
+        (_float32_too, "in bfloat16 only"),
         (42, "write a function"),
     ],
 )
@@ -112,6 +145,6 @@ def test_returning_the_bf16_result_without_casting_back_is_fine():
     # DDP copies the hook's result into its float32 bucket itself, so this is correct too.
     def hook(process_group, bucket):
         compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
-        return dist.all_reduce(compressed, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        return dist.all_reduce(compressed, group=process_group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     assert nb04.bf16_hook(hook).status == "correct"

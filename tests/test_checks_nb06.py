@@ -50,6 +50,15 @@ def _single_tensor(x):
     return torch.stack([total / n, total_sq / n - (total / n) ** 2])[0]
 
 
+def _three_all_reduces(x):
+    x = x.double()
+    total, total_sq, n = x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))], dtype=x.dtype)
+    for t in (total, total_sq, n):  # right, but three latencies where one does
+        dist.all_reduce(t)
+    mean = total / n
+    return mean, total_sq / n - mean * mean
+
+
 def _crashes(x):
     raise RuntimeError("typo")
 
@@ -69,6 +78,7 @@ def _over_channels(x):
         (_per_sample_mean, "Σx²/n - mean²"),
         (_single_tensor, "return two tensors"),
         (_over_channels, "one mean and one variance per channel"),
+        (_three_all_reduces, "right, with 3 all-reduces"),
         (_crashes, "a rank failed: RuntimeError: typo"),
     ],
 )

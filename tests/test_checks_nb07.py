@@ -105,6 +105,31 @@ def _pickle_instead(obj, path):
         pickle.dump(obj, f)
 
 
+def _fsync_after_the_rename(obj, path):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.replace(tmp, path)  # the name can reach the disk before the data
+        os.fsync(f.fileno())
+
+
+def _no_cleanup(obj, path):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:  # a failing torch.save leaves the temporary file behind
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _swallows_the_error(obj, path):
+    try:
+        _no_cleanup(obj, path)
+    except Exception:
+        pass
+
+
 def _forgets_the_rename(obj, path):
     tmp = str(path) + ".tmp"
     with open(tmp, "wb") as f:
@@ -120,6 +145,9 @@ def _forgets_the_rename(obj, path):
         (_temporary_in_tmp, "same folder"),
         (_copy_not_rename, "os.replace"),
         (_no_fsync, "fsync"),
+        (_fsync_after_the_rename, "os.fsync ran after the rename"),
+        (_no_cleanup, "delete the temporary file when saving fails"),
+        (_swallows_the_error, "returned without an error"),
         (_pickle_instead, "torch.load(path, weights_only=True) failed"),
         (_forgets_the_rename, "torch.load(path, weights_only=True) failed"),
         (lambda obj, path: 1 / 0, "raised ZeroDivisionError"),
@@ -133,11 +161,15 @@ def test_atomic_save_rejects_wrong_answers(answer, hint):
 def test_atomic_save_accepts_a_fixed_temporary_name_next_to_the_file():
     def fixed_name(obj, path):
         tmp = str(path) + ".tmp"
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     assert nb07.atomic_save(fixed_name).status == "correct"
 

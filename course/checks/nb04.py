@@ -84,22 +84,54 @@ def _grads_with_hook(rank, world_size, hook):
         dist.all_reduce(g)
         g /= world_size
 
+    # Note how the hook calls all_reduce (blocking or not, in which group) and whether it waits for it.
+    calls, waited = [], []
+    real_all_reduce = dist.all_reduce
+
+    class Watched:  # the all-reduce's work, noting a wait() (DDP waits on the future, after backward)
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args, **kwargs):
+            waited.append(True)
+            return self.work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    def watched_all_reduce(tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        calls.append({"async": bool(async_op), "group": group})
+        work = real_all_reduce(tensor, *args, **kwargs)
+        return Watched(work) if async_op else work
+
     ddp = DDP(model)
     ddp.register_comm_hook(None, hook)
     tracing.clear()
-    ddp(x).square().mean().backward()
-    tracing.wait_all()
-    dtypes = [e.dtypes[0] for e in tracing.collectives() if e.op == "all_reduce"]
+    dist.all_reduce = watched_all_reduce
+    try:
+        ddp(x).square().mean().backward()
+        tracing.wait_all()
+        main_calls = list(calls)
 
-    # Huge gradients: 3e38 on rank 0, 2e38 on rank 1. Their sum overflows; their average does not.
-    big = nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        big.weight.fill_(1.0)
-    big_ddp = DDP(big)
-    big_ddp.register_comm_hook(None, hook)
-    big_ddp(torch.tensor([[3e38 if rank == 0 else 2e38]])).sum().backward()
+        # Huge gradients: 3e38 on rank 0, 2e38 on rank 1. Their sum overflows; their average does not.
+        # This DDP runs in a group of its own (the same two ranks), passed to the hook as process_group.
+        group = dist.new_group(list(range(world_size)))
+        big = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            big.weight.fill_(1.0)
+        big_ddp = DDP(big, process_group=group)
+        big_ddp.register_comm_hook(group, hook)
+        calls.clear()
+        big_ddp(torch.tensor([[3e38 if rank == 0 else 2e38]])).sum().backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+    dtypes = [e.dtypes[0] for e in tracing.collectives() if e.op == "all_reduce"]
     return {"expected": expected, "got": [p.grad.clone() for p in model.parameters()], "dtypes": dtypes,
-            "big": big.weight.grad.item(), "builtin": sorted(set(used_builtin))}
+            "big": big.weight.grad.item(), "builtin": sorted(set(used_builtin)),
+            "blocking": any(not c["async"] for c in main_calls), "waited": bool(waited),
+            "group_used": bool(calls) and all(c["group"] is group for c in calls)}
 
 
 @exercise("Exercise 2 (bf16 compression hook)", hint="cast bucket.buffer() to bfloat16 and divide it by the world size *before* the all_reduce (async_op=True); in .then(...) copy the result back into the float32 buffer and return that buffer.")
@@ -125,6 +157,12 @@ def bf16_hook(fn):
     got, expected = torch.cat([g.flatten() for g in result["got"]]), torch.cat([g.flatten() for g in result["expected"]])
     if "bfloat16" not in result["dtypes"]:
         return wrong(f"the all_reduce ran in {', '.join(sorted(set(result['dtypes']))) or 'nothing'}: cast the bucket's buffer to torch.bfloat16 before all-reducing it.")
+    if set(result["dtypes"]) != {"bfloat16"}:
+        return wrong(f"all-reduces ran in {', '.join(sorted(set(result['dtypes'])))}: the bucket should travel once, "
+                     "in bfloat16 only (half the bytes of float32).")
+    if result["blocking"] or result["waited"]:
+        return wrong("the hook waits for its all-reduce (async_op=False, or .wait()), so backward stops there: "
+                     "start it with async_op=True and return its future, with .then(...) for what comes after.")
     close = lambda a, b: torch.allclose(a, b, rtol=2e-2, atol=1e-4)
     if close(got, 2 * expected):
         return wrong("all_reduce sums: divide by the world size to average.")
@@ -133,4 +171,7 @@ def bf16_hook(fn):
     if not math.isclose(result["big"], 2.5e38, rel_tol=1e-2):
         return wrong(f"gradients of 3e38 and 2e38 averaged to {result['big']:.3g}, not 2.5e38: their sum overflows. "
                      "Divide by the world size *before* the all_reduce, as DDP does.")
+    if not result["group_used"]:
+        return wrong("when DDP runs in a process group of its own, the hook gets it as `process_group`: all-reduce "
+                     "in that group (group=process_group), and in the default group only when it is None.")
     return correct("half the bytes of float32, gradients within bfloat16's ~3 significant digits, no overflow.")

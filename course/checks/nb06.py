@@ -30,21 +30,33 @@ def _float32_hint(fn):
     if isinstance(results[0], str):
         return f"with float32 input your function returned {results[0]}"
     var, mean = torch.var_mean(torch.cat(batches).double(), dim=0, unbiased=False)
-    got_mean, got_var = results[0]
+    got_mean, got_var, _ = results[0]
     if not torch.allclose(got_mean, mean, rtol=1e-6, atol=1e-6) or not torch.allclose(got_var, var, rtol=1e-4, atol=1e-4):
         worst = (got_var - var).abs().max().item()
         return ("right in float64, but on float32 batches with mean about 10,000 and spread about 1 your variance "
                 f"is off by {worst:.2g}: Σx²/n - mean² subtracts two nearly equal large numbers. Accumulate the sums "
-                "in float64 (x.double()) and convert back at the end.")
+                "in float64 (x.double()).")
     return None
 
 
 def _run_mean_var(rank, world_size, fn, batches=None):
+    import torch.distributed as dist
+
     x = (batches or _rank_batches())[rank]
-    result = fn(x.clone())
+    real_all_reduce, calls = dist.all_reduce, []
+
+    def counted_all_reduce(*args, **kwargs):
+        calls.append(1)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
+    try:
+        result = fn(x.clone())
+    finally:
+        dist.all_reduce = real_all_reduce
     try:
         mean, var = result
-        return torch.as_tensor(mean).detach().double(), torch.as_tensor(var).detach().double()
+        return torch.as_tensor(mean).detach().double(), torch.as_tensor(var).detach().double(), len(calls)
     except (TypeError, ValueError, RuntimeError):
         return repr(result)[:80]
 
@@ -61,12 +73,12 @@ def global_mean_var(fn):
         return wrong(f"return two tensors, (mean, var), each of shape (C,); rank 0 returned {results[0]}")
     batches = _rank_batches()
     var, mean = torch.var_mean(torch.cat(batches), dim=0, unbiased=False)
-    got_mean, got_var = results[0]
+    got_mean, got_var, all_reduces = results[0]
     if got_mean.shape != mean.shape or got_var.shape != var.shape:
         return wrong(f"return one mean and one variance per channel: shapes {tuple(mean.shape)}, "
                            f"got {tuple(got_mean.shape)} and {tuple(got_var.shape)}.")
     local = [torch.var_mean(b, dim=0, unbiased=False) for b in batches]
-    if all(_close(m, lm) for (m, _), (_, lm) in zip(results, local)):
+    if all(_close(m, lm) for (m, _, _), (_, lm) in zip(results, local)):
         return wrong("each rank used only its own samples: all_reduce the per-channel sums across ranks.")
     if _close(got_mean, torch.stack([lm for _, lm in local]).mean(0)):
         return wrong("the mean of the ranks' means is wrong when ranks hold different numbers of "
@@ -79,8 +91,12 @@ def global_mean_var(fn):
             return wrong("averaging the ranks' variances misses how far each rank's mean lies from the "
                                "global mean: all_reduce Σx² and use var = Σx²/n - mean².")
         if _close(got_var, var):
-            if not all(_close(m, mean) and _close(v, var) for m, v in results):
+            if not all(_close(m, mean) and _close(v, var) for m, v, _ in results):
                 return wrong("rank 0 is right but some ranks are not: every rank must end with the same statistics.")
+            if all_reduces > 1:
+                return wrong(f"right, with {all_reduces} all-reduces: put Σx, Σx² and the count side by side in one "
+                             "tensor and all-reduce it once. Every collective pays a fixed latency, and a synchronised "
+                             "BatchNorm's forward waits for it.")
             hint = _float32_hint(fn)
             if hint:
                 return wrong(hint)

@@ -78,12 +78,14 @@ def _load_step(path):
         return torch.load(path, weights_only=True)["step"]
 
 
-@exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final name.")
+@exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final "
+          "name; if saving fails, delete the temporary file and re-raise.")
 def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "checkpoint.pt").resolve()
         targets, renames, fsyncs = [], [], []
+        order = []  # ("fsync", bytes the OS had) and ("rename", bytes of the file renamed), as they happen
         real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
 
         def recording_save(obj, f, *args, **kwargs):
@@ -100,8 +102,10 @@ def atomic_save(fn):
             def call(*args, **kwargs):
                 if kind == "fsync":  # how many bytes had reached the OS when fsync ran
                     fsyncs.append(os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None)
+                    order.append(("fsync", fsyncs[-1]))
                 else:
                     renames.append(args)
+                    order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None))
                 return real[kind](*args, **kwargs)
 
             return call
@@ -111,14 +115,23 @@ def atomic_save(fn):
         try:
             fn({"step": 1, "weight": torch.ones(3)}, str(path))
             fn({"step": 2, "weight": torch.full((3,), 2.0)}, str(path))
+            order = list(order)  # the two good saves: the failing one below must not blur them
+            leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
+            try:
+                step = _load_step(path)
+            except Exception as e:
+                step = e
+            try:
+                fn({"step": 3, "not picklable": lambda: 0}, str(path))  # a save that fails
+                failed_save = None
+            except Exception as e:
+                failed_save = e
         except Exception as e:
             return wrong(f"saving raised {type(e).__name__}: {e}")
         finally:
             torch.save, os.fsync, os.replace, os.rename = real["save"], real["fsync"], real["replace"], real["rename"]
-        try:
-            step = _load_step(path)
-        except Exception as e:
-            return wrong(f"torch.load(path, weights_only=True) failed after two saves ({type(e).__name__}); "
+        if isinstance(step, Exception):
+            return wrong(f"torch.load(path, weights_only=True) failed after two saves ({type(step).__name__}); "
                                "save the object with torch.save and end with the file at `path`.")
         if step != 2:
             return wrong("after saving step 1 and then step 2, the file at `path` should hold step 2.")
@@ -135,16 +148,38 @@ def atomic_save(fn):
                                "os.replace is only atomic within one file system, and /tmp is often another one.")
         if not renames:
             return wrong("finish with os.replace(temporary_file, path): a rename is atomic, a copy is not.")
-        leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
         if leftovers:
             return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
-        if path.stat().st_size not in fsyncs:
+        synced_first, since_rename = [], []  # per rename: the fsyncs since the previous rename
+        for kind, size in order:
+            if kind == "fsync":
+                since_rename.append(size)
+            else:
+                synced_first.append(size in since_rename if since_rename else None)
+                since_rename = []
+        if None in synced_first:
+            return wrong("os.fsync ran after the rename: the new name can then reach the disk before the data does. "
+                         "fsync the temporary file, then os.replace it onto `path`.")
+        if path.stat().st_size not in fsyncs or not all(synced_first):
             return wrong("os.fsync ran before all the bytes had left Python's buffer: f.flush() first (Python -> OS), "
                          "then os.fsync(f.fileno()) (OS -> disk). fsync only writes what the OS already has.")
+        if failed_save is None:
+            return wrong("saving an object that cannot be pickled returned without an error: let the exception "
+                         "through, or the caller believes the checkpoint was saved.")
+        leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
+        if leftovers:
+            return wrong(f"a save that failed (an object that cannot be pickled) left {leftovers} next to the "
+                         "checkpoint: delete the temporary file when saving fails, then re-raise (try/except).")
+        try:
+            unchanged = _load_step(path) == 2
+        except Exception:
+            unchanged = False
+        if not unchanged:
+            return wrong("a save that failed changed the file at `path`: it must still hold the previous checkpoint.")
         try:
             launch(_save_and_die, 1, fn, {"step": 3, "weight": torch.zeros(100_000)}, str(path), show=None, timeout=30)
         except WorkerError as e:
