@@ -33,6 +33,7 @@ def _no_factor_2(model, x, y):
         (_no_factor_2, "factor 2"),
         (lambda m, x, y: torch.zeros(3), "shaped like model.weight"),
         (lambda m, x, y: torch.zeros_like(m.weight), "chain rule"),
+        (lambda m, x, y: m.weight.grad, "shaped like model.weight"),  # autograd's answer, not derived
     ],
 )
 def test_weight_grad_rejects_wrong_answers(answer, hint):

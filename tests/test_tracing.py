@@ -1,6 +1,8 @@
 """course.tracing: it sees every collective (DDP's C++ ones too), counts bytes right,
 agrees with torch.profiler, and changes nothing about the results."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -205,6 +207,9 @@ def _profiled(rank, world_size):
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = _ddp_run(rank, world_size, 64, 0.01, 3)
+        # gloo closes a collective's profiler record on its worker thread just after completing its
+        # future: leaving profile() at once can drop the last one (seen once on torch 2.8).
+        time.sleep(0.5)
     gloo = sorted((e for e in prof.events() if e.name.startswith("gloo:")), key=lambda e: e.time_range.start)
     seen = [(e.name.removeprefix("gloo:"), [tuple(s) for s in e.input_shapes]) for e in gloo]
     traced = [(e.op, e.shapes) for e in out["events"] if isinstance(e, tracing.Collective)]
@@ -213,7 +218,9 @@ def _profiled(rank, world_size):
 
 def test_torch_profiler_sees_the_same_collectives():
     for seen, traced in course.launch(_profiled, 2, backend="traced", show=None):
-        assert seen == traced
+        # As sets of events, as notebook 05 compares them: the profiler sometimes lists two collectives in
+        # another order than they were issued (measured on torch 2.8: 1 run in 50).
+        assert sorted(seen) == sorted(traced)
 
 
 def _hooked(rank, world_size):

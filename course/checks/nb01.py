@@ -34,6 +34,7 @@ def weight_grad(fn):
     """Exercise 1: the weight gradient of the MSE loss, by hand."""
     model, x, y = _problem()
     expected = _autograd_weight_grad(model, x, y)
+    model.zero_grad(set_to_none=True)  # the answer must compute it, not find autograd's in .grad
     with torch.no_grad():
         got = fn(model, x, y)
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
