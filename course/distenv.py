@@ -76,10 +76,13 @@ def discover(environ=None) -> DistEnv:
                                 _int(env, "MASTER_PORT", 0)))
     if "RANK" in env and "WORLD_SIZE" in env:
         return _from(env, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
     for family, names in MPI_VARIABLES.items():
-        if names[0] in env:
+        # srun's MPI plugins give its tasks PMI_RANK (pmi2) or PMIX_RANK (pmix) too, but not the local
+        # rank that mpirun's processes get: without it, a Slurm task is Slurm's.
+        if names[0] in env and not (slurm and names[2] not in env):
             return _from(env, family, *names)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if slurm:
         return _from_slurm(env)
     raise NoLauncherError(
         "No launcher environment found. Start this script with torchrun "

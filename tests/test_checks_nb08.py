@@ -53,6 +53,14 @@ def _static_same_rank(head, port):
     return [_static(head, port)[0]] * 2
 
 
+def _static_ranks_swapped(head, port):  # node 0 would host the store on the machine not named by --master-addr
+    return _static(head, port)[::-1]
+
+
+def _hard_coded(head, port):  # the notebook's example command, whatever head and port are
+    return _c10d("node01", 29400)
+
+
 def _standalone(head, port):
     return [["torchrun", "--standalone", "--nnodes=2", "--nproc-per-node=4", "-m", "course.train"]] * 2
 
@@ -64,7 +72,9 @@ def _standalone(head, port):
     (_swap("--rdzv-endpoint", "node01:12345"), "port you were given"),
     (_different_ids, "same --rdzv-id"),
     (_own_host, "same address"),
-    (_static_same_rank, "its own --node-rank"),
+    (_static_same_rank, "is --node-rank=0"),
+    (_static_ranks_swapped, "is --node-rank=0"),
+    (_hard_coded, "port you were given"),
     (_standalone, "never meet"),
     (lambda head, port: [["torchrun", "--nproc-per-node=4", "train.py"]] * 2, "-m course.train"),
     (lambda head, port: [["torchrun", *C10D, *MODULE, f"--rdzv-endpoint={head}:{port}"]] * 2, "go before '-m"),

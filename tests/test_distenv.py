@@ -31,6 +31,20 @@ def test_slurm_two_nodes_four_tasks_each():
     assert discover({**env, "MASTER_PORT": "29999"}).master_port == 29999
 
 
+def test_srun_with_an_mpi_plugin_is_still_slurm():
+    env = {
+        "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "gpu-node[07-08]", "SLURM_JOB_ID": "123456",
+    }
+    slurm = discover(env)
+    assert discover({**env, "PMI_RANK": "5", "PMI_SIZE": "8"}) == slurm  # srun --mpi=pmi2
+    assert discover({**env, "PMIX_RANK": "5"}) == slurm  # srun --mpi=pmix
+    # mpirun inside an allocation: its processes carry the batch step's SLURM_PROCID and their own local rank
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert discover(ompi).launcher == "openmpi" and discover(ompi).rank == 3
+
+
 def test_torchrun_variables_and_torchrun_inside_slurm_wins():
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29400"}

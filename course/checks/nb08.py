@@ -35,10 +35,22 @@ def _parse(arguments):
             return None, errors.getvalue().strip().splitlines()[-1]
 
 
-@exercise("Exercise 1 (two_node_commands)", hint="with the static rendezvous, each node needs its own --node-rank: 0 and 1.")
+HEADS = [("node01", 29400), ("gpu-a17", 31234)]  # two clusters: the commands must follow head and port
+
+
+@exercise("Exercise 1 (two_node_commands)", hint="both nodes meet at the head node: --rdzv-backend=c10d with "
+          "--rdzv-endpoint=HEAD:PORT on both, or the static rendezvous (--master-addr, --master-port) with "
+          "--node-rank 0 on the head node and 1 on the other.")
 def two_node_commands(fn):
     """Exercise 1: the torchrun command for each of 2 nodes x 4 GPUs, meeting at the head node."""
-    head, port = "node01", 29400
+    for head, port in HEADS:
+        feedback = _judge_two_node_commands(fn, head, port)
+        if not feedback:
+            return feedback
+    return feedback
+
+
+def _judge_two_node_commands(fn, head, port):
     try:
         commands = fn(head, port)
     except Exception as e:
@@ -83,8 +95,9 @@ def two_node_commands(fn):
     if backends == {"static"}:
         if {args.master_addr for args in parsed} != {head} or {args.master_port for args in parsed} != {port}:
             return wrong(f"with the static rendezvous, both nodes need --master-addr={head} --master-port={port}.")
-        if sorted(args.node_rank for args in parsed) != [0, 1]:
-            return wrong("with the static rendezvous, each node needs its own --node-rank: 0 and 1.")
+        if [args.node_rank for args in parsed] != [0, 1]:
+            return wrong("with the static rendezvous, the head node (the first command) is --node-rank=0: node 0 "
+                         "hosts the store at --master-addr. The other node is 1.")
         return correct("static rendezvous: node 0 hosts the store, --node-rank orders the nodes.")
     return wrong("use the same rendezvous on both nodes: --rdzv-backend=c10d with --rdzv-endpoint, "
                        "or --master-addr/--master-port with --node-rank.")
