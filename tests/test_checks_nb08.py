@@ -26,7 +26,12 @@ def _python_m_strings(head, port):  # strings, and python -m torch.distributed.r
     return [line, line]
 
 
-@pytest.mark.parametrize("answer", [_c10d, _static, _python_m_strings])
+def _static_endpoint_one_per_gpu(head, port):  # --rdzv-endpoint in place of --master-addr/--master-port
+    return [["torchrun", "--nnodes=2", "--nproc-per-node=gpu", f"--node-rank={n}", f"--rdzv-endpoint={head}:{port}",
+             "-m", "course.train"] for n in (0, 1)]
+
+
+@pytest.mark.parametrize("answer", [_c10d, _static, _python_m_strings, _static_endpoint_one_per_gpu])
 def test_two_node_commands_accepts_both_rendezvous(answer):
     assert nb08.two_node_commands(answer).status == "correct"
 

@@ -76,7 +76,7 @@ def _judge_two_node_commands(fn, head, port):
         if args.standalone:
             return wrong("--standalone makes each agent start its own rendezvous on its own machine: the two "
                                "nodes would never meet. Name the head node instead (--rdzv-endpoint).")
-        if args.nproc_per_node != "4":
+        if args.nproc_per_node not in ("4", "gpu", "auto"):  # "gpu"/"auto": one per GPU, 4 here
             return wrong(f"--nproc-per-node is the number of processes on ONE node (one per GPU): 4, "
                                f"not {args.nproc_per_node}.")
         if args.nnodes not in ("2", "2:2"):
@@ -93,7 +93,9 @@ def _judge_two_node_commands(fn, head, port):
             return wrong("the same --rdzv-id on every node: it names the job the agents are joining.")
         return correct("two agents, one rendezvous at the head node; it hands out the node ranks.")
     if backends == {"static"}:
-        if {args.master_addr for args in parsed} != {head} or {args.master_port for args in parsed} != {port}:
+        from torch.distributed.run import get_rdzv_endpoint  # --rdzv-endpoint, else --master-addr:--master-port
+
+        if {get_rdzv_endpoint(args) for args in parsed} != {f"{head}:{port}"}:
             return wrong(f"with the static rendezvous, both nodes need --master-addr={head} --master-port={port}.")
         if [args.node_rank for args in parsed] != [0, 1]:
             return wrong("with the static rendezvous, the head node (the first command) is --node-rank=0: node 0 "
