@@ -186,17 +186,10 @@ class _Blocking:
         pass
 
 
-class _WaitsInTheHook:
-    def __init__(self, model):
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self.grad_ready)
-
+class _WaitsInTheHook(_Blocking):
     def grad_ready(self, p):
         p.grad /= dist.get_world_size()
         dist.all_reduce(p.grad, async_op=True).wait()  # async in name only: backward waits here
-
-    def finish(self):
-        pass
 
 
 class _NoWait:

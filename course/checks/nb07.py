@@ -84,7 +84,7 @@ def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "checkpoint.pt").resolve()
-        targets, renames, fsyncs = [], [], []
+        targets, renames = [], []
         order = []  # ("fsync", bytes the OS had) and ("rename", bytes of the file renamed), as they happen
         real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
 
@@ -101,8 +101,7 @@ def atomic_save(fn):
         def recording(kind):
             def call(*args, **kwargs):
                 if kind == "fsync":  # how many bytes had reached the OS when fsync ran
-                    fsyncs.append(os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None)
-                    order.append(("fsync", fsyncs[-1]))
+                    order.append(("fsync", os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None))
                 else:
                     renames.append(args)
                     order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None))
@@ -115,7 +114,7 @@ def atomic_save(fn):
         try:
             fn({"step": 1, "weight": torch.ones(3)}, str(path))
             fn({"step": 2, "weight": torch.full((3,), 2.0)}, str(path))
-            order = list(order)  # the two good saves: the failing one below must not blur them
+            good_saves = list(order)  # the failing save below must not blur them
             leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
             try:
                 step = _load_step(path)
@@ -151,11 +150,12 @@ def atomic_save(fn):
         if leftovers:
             return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
+        fsyncs = [size for kind, size in good_saves if kind == "fsync"]
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
         synced_first, since_rename = [], []  # per rename: the fsyncs since the previous rename
-        for kind, size in order:
+        for kind, size in good_saves:
             if kind == "fsync":
                 since_rename.append(size)
             else:

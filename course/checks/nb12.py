@@ -164,50 +164,46 @@ ATTENTION_CASES = [(2, 8, 4), (4, 24, 12)]
 PROJECTIONS = ("q", "k", "v", "out")
 
 
-def _attention_run(rank, world_size, parallelize, shapes):
+def _attention_run(rank, world_size, parallelize, dim, heads):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world_size,))
-    results = []
-    for dim, heads in shapes:
-        torch.manual_seed(0)
-        full = tp.SelfAttention(dim, heads).double()
-        block = parallelize(copy.deepcopy(full), mesh)
-        if not isinstance(block, nn.Module):
-            return [{"not_module": repr(type(block))}]
-        placements = {}
-        for name in PROJECTIONS:
-            w = getattr(getattr(block, name, None), "weight", None)
-            placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
-        x = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        upstream = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-        x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
-        (full(x_full) * upstream).sum().backward()
-        result = {"placements": placements, "n_heads": getattr(block, "n_heads", None)}
-        results.append(result)
-        try:
-            y = block(x_part)
-            if isinstance(y, DTensor):
-                y = y.full_tensor()
-            (y * upstream).sum().backward()
-        except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
-            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            continue
-        bad_weight_grads = []
-        for name in PROJECTIONS:  # column-parallel q, k, v and row-parallel out: compare the whole gradient
-            grad = getattr(block, name).weight.grad
-            if isinstance(grad, DTensor):
-                grad = grad.full_tensor()
-            expected = getattr(full, name).weight.grad
-            if not (grad is not None and grad.shape == expected.shape and torch.allclose(grad, expected, rtol=1e-9, atol=1e-9)):
-                bad_weight_grads.append(f"{name}.weight")
-        result.update(
-            ok_output=y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
-            ok_grad=x_part.grad is not None and torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
-            bad_weight_grads=bad_weight_grads,
-        )
-    return results
+    torch.manual_seed(0)
+    full = tp.SelfAttention(dim, heads).double()
+    block = parallelize(copy.deepcopy(full), mesh)
+    if not isinstance(block, nn.Module):
+        return {"not_module": repr(type(block))}
+    placements = {}
+    for name in PROJECTIONS:
+        w = getattr(getattr(block, name, None), "weight", None)
+        placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
+    x = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    upstream = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (full(x_full) * upstream).sum().backward()
+    result = {"placements": placements, "n_heads": getattr(block, "n_heads", None)}
+    try:
+        y = block(x_part)
+        if isinstance(y, DTensor):
+            y = y.full_tensor()
+        (y * upstream).sum().backward()
+    except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
+        return {**result, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    bad_weight_grads = []
+    for name in PROJECTIONS:  # column-parallel q, k, v and row-parallel out: compare the whole gradient
+        grad = getattr(block, name).weight.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        expected = getattr(full, name).weight.grad
+        if not (grad is not None and grad.shape == expected.shape and torch.allclose(grad, expected, rtol=1e-9, atol=1e-9)):
+            bad_weight_grads.append(f"{name}.weight")
+    return {
+        **result,
+        "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
+        "ok_grad": x_part.grad is not None and torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
+        "bad_weight_grads": bad_weight_grads,
+    }
 
 
 def _judge_attention(results, world_size, heads):
@@ -254,13 +250,11 @@ def _judge_attention(results, world_size, heads):
 )
 def tensor_parallel_attention(parallelize):
     """Exercise 3: split an attention block's heads with parallelize_module."""
-    for world_size in sorted({n for n, _, _ in ATTENTION_CASES}):
-        shapes = [(dim, heads) for n, dim, heads in ATTENTION_CASES if n == world_size]
-        results = launch(_attention_run, world_size, parallelize, shapes, show=None, timeout=60)
-        for i, (_, heads) in enumerate(shapes):
-            feedback = _judge_attention([q[i] if i < len(q) else q[0] for q in results], world_size, heads)
-            if feedback is not None:
-                return feedback
+    for world_size, dim, heads in ATTENTION_CASES:
+        results = launch(_attention_run, world_size, parallelize, dim, heads, show=None, timeout=60)
+        feedback = _judge_attention(results, world_size, heads)
+        if feedback is not None:
+            return feedback
     cases = ", ".join(f"{heads} heads on {n} ranks" for n, _, heads in ATTENTION_CASES)
     return correct(f"{cases}: on every rank the output, the input gradient and the gradients of "
                    "q, k, v and out's weights equal the unsplit block's.")
