@@ -6,7 +6,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist  # noqa: F401
 
 from course.checks import nb07
 
