@@ -124,7 +124,7 @@ def ring_all_reduce(fn, timeout=None):
                 return wrong(
                     f"with {world_size} ranks every rank waited forever in a send: gloo's send returns only once the "
                     "receiver has posted its recv, so if everyone sends first, nobody receives. Start the send with "
-                    "dist.isend (or collectives.isend), then recv, then wait() for the send."
+                    "dist.isend (or the counting isend of course.collectives), then recv, then wait() for the send."
                 )
             return wrong(f"with {world_size} ranks some ranks waited forever: every send needs a matching recv of the same size on the neighbour.")
         for rows in zip(*results):  # the same size on every rank
