@@ -1,6 +1,7 @@
 """Every exercise check accepts the solution (taken from the solution notebook), reports
 an untouched stub as "not attempted", and rejects plausible wrong answers with a hint."""
 
+import ast
 import importlib
 import re
 
@@ -15,12 +16,30 @@ from course.notebooks import make_student, solution_paths
 
 
 def _exercise_namespace(nb):
-    """Run a notebook's exercise cells (those with solution markers) in a namespace
-    with the usual imports; return it and the check calls found in the notebook."""
+    """Run a notebook's exercise cells (those with solution markers) in a namespace with
+    the usual imports and the functions the notebook defines elsewhere (an answer may call
+    them, as in the notebook; they never replace an answer); return the namespace and the
+    check calls found in the notebook."""
     namespace = {"torch": torch, "nn": nn, "dist": dist}
+    answers = set()
     for cell in nb.cells:
-        if cell.cell_type == "code" and ("SOLUTION" in cell.source or "✏️ your" in cell.source):
+        if cell.cell_type != "code":
+            continue
+        if "SOLUTION" in cell.source or "✏️ your" in cell.source:
+            before = dict(namespace)
             exec(cell.source, namespace)
+            answers |= {name for name in namespace if namespace[name] is not before.get(name)}
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:  # IPython syntax (!command, %magic): defines nothing an answer needs
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name not in answers:
+                try:
+                    exec(compile(ast.Module([node], []), "<notebook cell>", "exec"), namespace)
+                except NameError:  # a default value from the notebook's state: not one an answer calls
+                    pass
     calls = [
         m.group(0)
         for cell in nb.cells
