@@ -75,7 +75,7 @@ def _crashes(sync, n_buckets):
         (_answer(construction=["all_gather", "broadcast", "broadcast"]), "one message per dtype"),
         (_answer(construction=["barrier", "all_gather", "broadcast", "broadcast", "broadcast"]), "the parameter count (all_gather)"),
         # the buffers: never sent, sent in every forward, or skipped by the no_sync() step itself
-        (_answer(buffers_rule="never"), "Every forward (the first one too)"),
+        (_answer(buffers_rule="never"), "The first forward, and every forward after a normal one"),
         (_answer(buffers_rule="always"), "the forward right after a forward inside no_sync() broadcasts no buffers"),
         (_answer(buffers_rule="current"), "still starts with the broadcasts the previous forward"),
         # the layout: missing under no_sync(), or sent after the all_reduces

@@ -117,8 +117,8 @@ def _step_hint(step, sync, n_buckets, got, ops):
             return (f"{where}: the forward right after a forward inside no_sync() broadcasts no buffers. DDP syncs them "
                     "only when the *previous* forward ran with gradients and outside no_sync().")
         if step == 0:
-            return (f"{where}: a model with buffers. Every forward (the first one too) starts with a broadcast of rank "
-                    "0's buffers, one per dtype: the float32 statistics, then the int64 counter.")
+            return (f"{where}: a model with buffers. The first forward, and every forward after a normal one, starts "
+                    "with a broadcast of rank 0's buffers, one per dtype: the float32 statistics, then the int64 counter.")
         if previous_normal and not sync[step]:
             return (f"{where}: a forward inside no_sync() still starts with the broadcasts the previous forward "
                     "calls for (the buffers, after a normal forward) and, in step 1, with the new bucket layout.")
