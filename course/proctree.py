@@ -73,11 +73,15 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
 
 
 def _stop(procs, tree, grace):
+    # Look again before each signal and while the commands shut down: a process started since the last
+    # look is found only while its parent lives (then it is re-parented, and no longer a descendant).
+    tree.update(descendants([p.pid for p in procs]))
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
     end = time.monotonic() + grace
     while any(p.poll() is None for p in running) and time.monotonic() < end:
+        tree.update(descendants([p.pid for p in running]))
         time.sleep(0.05)
     tree.update(descendants([p.pid for p in procs]))
     for p in procs:

@@ -399,6 +399,23 @@ def test_proctree_timeout_stops_the_whole_tree(tmp_path):
     assert (tmp_path / "started").exists()  # the child ran; nothing_left_behind checks it is gone
 
 
+def test_proctree_stops_what_a_command_starts_while_it_shuts_down(tmp_path):
+    """A command that starts a process as it handles SIGTERM, in a session of its own, then exits."""
+    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    parent = textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        def stop(signum, frame):
+            subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
+            time.sleep(1)
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, stop)
+        open({str(tmp_path / 'ready')!r}, 'w').close()
+        time.sleep(600)
+    """)
+    result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=3, env=clean_env())
+    assert result.timed_out and (tmp_path / "ready").exists()  # nothing_left_behind checks the child is gone
+
+
 def test_proctree_rejects_a_string_command():
     with pytest.raises(TypeError, match="list of arguments"):
         proctree.run("torchrun --standalone train.py", timeout=5)
