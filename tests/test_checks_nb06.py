@@ -181,3 +181,18 @@ def _one_per_channel(g, x_hat, weight, invstd, sum_g, sum_g_xhat, n):
 def test_input_grad_rejects_wrong_answers(answer, hint):
     feedback = nb06.input_grad(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_global_mean_var_counts_all_reduces_however_they_are_called():
+    from torch.distributed import all_reduce  # a name bound before the check runs: no patch of dist sees it
+
+    def three_all_reduces(x):
+        x = x.double()
+        total, total_sq, n = x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))], dtype=x.dtype)
+        for t in (total, total_sq, n):
+            all_reduce(t)
+        mean = total / n
+        return mean, total_sq / n - mean * mean
+
+    feedback = nb06.global_mean_var(three_all_reduces)
+    assert feedback.status == "wrong" and "right, with 3 all-reduces" in feedback.message, feedback

@@ -84,8 +84,8 @@ def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "checkpoint.pt").resolve()
-        targets, renames = [], []
-        order = []  # ("fsync", bytes the OS had) and ("rename", bytes of the file renamed), as they happen
+        targets = []
+        order = []  # ("fsync", bytes the OS had, args) and ("rename", bytes of the file renamed, args), as they happen
         real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
 
         def recording_save(obj, f, *args, **kwargs):
@@ -101,10 +101,9 @@ def atomic_save(fn):
         def recording(kind):
             def call(*args, **kwargs):
                 if kind == "fsync":  # how many bytes had reached the OS when fsync ran
-                    order.append(("fsync", os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None))
+                    order.append(("fsync", os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None, args))
                 else:
-                    renames.append(args)
-                    order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None))
+                    order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None, args))
                 return real[kind](*args, **kwargs)
 
             return call
@@ -139,6 +138,7 @@ def atomic_save(fn):
         if any(t == path for t in targets):
             return wrong("torch.save writes straight into `path`: a crash halfway leaves a half-written "
                                "checkpoint. Write to a temporary file first, then rename it onto `path`.")
+        renames = [args for kind, _, args in good_saves if kind == "rename"]
         sources = [Path(args[0]).resolve() for args in renames if len(args) >= 2]
         if any(t is not None and t.parent != path.parent for t in targets) or any(
             src.parent != path.parent for src in sources
@@ -150,12 +150,12 @@ def atomic_save(fn):
         if leftovers:
             return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
-        fsyncs = [size for kind, size in good_saves if kind == "fsync"]
+        fsyncs = [size for kind, size, _ in good_saves if kind == "fsync"]
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
         synced_first, since_rename = [], []  # per rename: the fsyncs since the previous rename
-        for kind, size in good_saves:
+        for kind, size, _ in good_saves:
             if kind == "fsync":
                 since_rename.append(size)
             else:
@@ -170,9 +170,9 @@ def atomic_save(fn):
         if failed_save is None:
             return wrong("saving an object that cannot be pickled returned without an error: let the exception "
                          "through, or the caller believes the checkpoint was saved.")
-        leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
-        if leftovers:
-            return wrong(f"a save that failed (an object that cannot be pickled) left {leftovers} next to the "
+        left_by_failure = sorted(p.name for p in path.parent.iterdir() if p != path)
+        if left_by_failure:
+            return wrong(f"a save that failed (an object that cannot be pickled) left {left_by_failure} next to the "
                          "checkpoint: delete the temporary file when saving fails, then re-raise (try/except).")
         try:
             unchanged = _load_step(path) == 2
