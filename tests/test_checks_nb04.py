@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce  # as a notebook may import it: the check must see it too
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from course.checks import nb04
@@ -139,6 +140,27 @@ def _raises(process_group, bucket):
 def test_bf16_hook_rejects_wrong_answers(answer, hint):
     feedback = nb04.bf16_hook(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def _imported_all_reduce(process_group, bucket):
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(process_group))
+    fut = all_reduce(compressed, group=process_group, async_op=True).get_future()
+    return fut.then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _imported_blocking_all_reduce(process_group, bucket):
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(process_group))
+    all_reduce(compressed, group=process_group)
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer().copy_(compressed))
+    return fut
+
+
+def test_bf16_hook_watches_an_all_reduce_imported_by_name():
+    assert nb04.bf16_hook(_imported_all_reduce).status == "correct"
+    feedback = nb04.bf16_hook(_imported_blocking_all_reduce)
+    assert feedback.status == "wrong" and "waits for its all-reduce" in feedback.message, feedback
 
 
 def test_returning_the_bf16_result_without_casting_back_is_fine():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce  # as a notebook may import it: the check must see it too
 
 from course import collectives
 from course.checks import nb10
@@ -251,3 +252,21 @@ class _OnlyWeights(_NoAverage):
 def test_overlap_per_parameter_rejects_wrong_answers(answer, hint):
     feedback = nb10.overlap_per_parameter(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+class _ImportedAllReduce(_NoAverage):  # its finish() waits for every handle
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        self.pending.append(all_reduce(p.grad, async_op=True))
+
+
+class _ImportedBlocking(_Blocking):
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        all_reduce(p.grad)
+
+
+def test_overlap_per_parameter_watches_an_all_reduce_imported_by_name():
+    assert nb10.overlap_per_parameter(_ImportedAllReduce).status == "correct"
+    feedback = nb10.overlap_per_parameter(_ImportedBlocking)
+    assert feedback.status == "wrong" and "pass async_op=True" in feedback.message, feedback
