@@ -6,11 +6,13 @@
 
 Why not ``subprocess.run(..., timeout=...)``? On timeout it kills the process it started,
 and only that one. ``torchrun`` starts its workers in sessions of their own
-(``start_new_session=True``), so they would live on, orphaned, holding ports and CPU.
-:func:`run_all` remembers every descendant of each command while it runs (with ``psutil``,
-which tells a process from a later one that got its pid, on Linux, macOS and Windows); on timeout it
-asks the commands to stop (``SIGTERM``: torchrun then stops its workers itself), and
-after a grace period kills every process of the tree that is still there.
+(``start_new_session=True``), so they would live on, orphaned, holding ports and CPU. Following
+parent links does not find them reliably either: a process whose parent has died is re-parented
+(to init) and no longer looks like part of the tree. So :func:`run_all` marks the commands'
+environment (``COURSE_PROCTREE=<token>``), which every process they start inherits. On timeout
+it asks the commands to stop (``SIGTERM``: torchrun then stops its workers itself) and waits a
+grace period; then, timeout or not, it kills every process that still carries the token
+(``psutil`` reads it).
 
 ``run_all`` runs several commands at the same time (two ``torchrun`` agents that
 rendezvous with each other, for example) and returns when all have finished.
@@ -23,9 +25,12 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 import psutil
+
+MARK = "COURSE_PROCTREE"  # the environment variable that marks the processes of a run
 
 
 @dataclass
@@ -45,24 +50,24 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
     """Start every command (a list of arguments each) at once, wait for all of them.
 
     ``env`` replaces the environment (pass ``{**os.environ, ...}`` to extend it). Commands
-    still running after ``timeout`` seconds are stopped, with every process they started.
+    still running after ``timeout`` seconds are stopped; no process they started outlives the call.
     """
     if not commands or not all(isinstance(c, (list, tuple)) and c for c in commands):
         raise TypeError("commands must be a list of commands, each a list of arguments like ['torchrun', ...].")
-    procs, files, tree = [], [], {}
+    token = uuid.uuid4().hex
+    env = dict(os.environ if env is None else env)
+    env[MARK] = " ".join(filter(None, [env.get(MARK), token]))  # a run inside a run keeps the outer token
+    procs, files = [], []
     try:
         for args in commands:
             out = tempfile.TemporaryFile(mode="w+b")
             files.append(out)
             procs.append(subprocess.Popen([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            tree.update(descendants([p.pid for p in procs]))  # remember them before an orphan is re-parented
-            time.sleep(0.2)  # a scan of all processes takes ~1 ms per 100 of them
+        _wait(procs, until=time.monotonic() + timeout)
         timed_out = [p.poll() is None for p in procs]
     finally:
-        _stop(procs, tree, grace)
+        _stop(procs, token, grace)
     results = []
     for args, proc, out, late in zip(commands, procs, files, timed_out):
         out.seek(0)
@@ -72,41 +77,45 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
     return results
 
 
-def _stop(procs, tree, grace):
-    # Look again before each signal and while the commands shut down: a process started since the last
-    # look is found only while its parent lives (then it is re-parented, and no longer a descendant).
-    tree.update(descendants([p.pid for p in procs]))
+def marked(token: str) -> list[psutil.Process]:
+    """Every living process whose environment carries ``token`` (see :func:`run_all`)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if token in process.environ().get(MARK, "").split():
+                found.append(process)
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            pass
+    return found
+
+
+def _wait(procs, until):
+    for p in procs:
+        try:
+            p.wait(max(0.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
+def _stop(procs, token, grace):
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
-    end = time.monotonic() + grace
-    while any(p.poll() is None for p in running) and time.monotonic() < end:
-        tree.update(descendants([p.pid for p in running]))
-        time.sleep(0.05)
-    tree.update(descendants([p.pid for p in procs]))
+    _wait(running, until=time.monotonic() + grace)
     for p in procs:
         if p.poll() is None:
             p.kill()
-    for process in tree.values():
-        if process.is_running():  # still the same process, not a new one that got its pid
-            _signal_group(process.pid, signal.SIGKILL)  # each torchrun worker leads its own process group
+        p.wait()
+    for _ in range(20):  # look again after each round: a process may start another one before it dies
+        left = marked(token)
+        if not left:
+            break
+        for process in left:
             try:
-                process.kill()
+                process.kill()  # psutil checks it is still the same process, not a new one with its pid
             except psutil.Error:
                 pass
-    for p in procs:
-        p.wait()
-
-
-def descendants(pids) -> dict[int, psutil.Process]:
-    """Every living process whose chain of parents leads to one of ``pids``."""
-    found = {}
-    for pid in pids:
-        try:
-            found.update((child.pid, child) for child in psutil.Process(pid).children(recursive=True))
-        except psutil.Error:  # gone already
-            pass
-    return found
+        time.sleep(0.05)
 
 
 def _signal_group(pid, sig):

@@ -416,6 +416,29 @@ def test_proctree_stops_what_a_command_starts_while_it_shuts_down(tmp_path):
     assert result.timed_out and (tmp_path / "ready").exists()  # nothing_left_behind checks the child is gone
 
 
+def test_proctree_stops_a_process_whose_parent_had_already_exited(tmp_path):
+    """A command that starts a process in a session of its own and exits at once: the process is
+    re-parented before anyone could see it as the command's child; it must not outlive the run."""
+    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    parent = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
+        while not os.path.exists({str(tmp_path / 'started')!r}):
+            time.sleep(0.01)
+    """)
+    result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=60, env=clean_env())
+    assert result.returncode == 0 and not result.timed_out, result.output
+    assert (tmp_path / "started").exists()  # nothing_left_behind checks the child is gone
+
+
+def test_proctree_stops_what_a_run_inside_the_command_started(tmp_path):
+    """The command itself runs a command with course.proctree, and is killed before it can stop it."""
+    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    parent = f"from course import proctree; import sys; proctree.run([sys.executable, '-c', {child!r}], timeout=600)"
+    result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=4, env=clean_env())
+    assert result.timed_out and (tmp_path / "started").exists()  # nothing_left_behind checks the child is gone
+
+
 def test_proctree_rejects_a_string_command():
     with pytest.raises(TypeError, match="list of arguments"):
         proctree.run("torchrun --standalone train.py", timeout=5)
