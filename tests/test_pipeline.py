@@ -170,7 +170,10 @@ def test_simulate_finds_a_deadlock():
 
 
 def test_measured_bubble_falls_as_m_grows():
-    p, device_time = 2, 0.02
+    # Scheduling delays add idle time to every action, more so on a loaded machine (2 busy loops and the
+    # other pytest worker beside the ranks: m = 8 measured 0.31 with device_time 0.02); 0.05 makes them a
+    # smaller share.
+    p, device_time = 2, 0.05
     logical, wall = {}, {}
     for m in (1, 4, 8):
         results = launch(_hand_written, p, _orders("gpipe", p, m), device_time, show=None, timeout=60)
@@ -180,7 +183,7 @@ def test_measured_bubble_falls_as_m_grows():
         assert abs(logical[m] - formula) < 1e-12
         assert wall[m] > formula - 0.05, (m, wall[m])  # overheads only add idle time
     assert logical[1] > logical[4] > logical[8]
-    assert wall[1] > wall[8] + 0.2, wall  # formula: 0.50 vs 0.11
+    assert wall[1] > wall[8] + 0.15, wall  # formula: 0.50 vs 0.11; stages that did not overlap: ~0.5 for every m
 
 
 def test_peak_activations_and_split():
