@@ -6,13 +6,16 @@
 
 Why not ``subprocess.run(..., timeout=...)``? On timeout it kills the process it started,
 and only that one. ``torchrun`` starts its workers in sessions of their own
-(``start_new_session=True``), so they would live on, orphaned, holding ports and CPU. Following
-parent links does not find them reliably either: a process whose parent has died is re-parented
-(to init) and no longer looks like part of the tree. So :func:`run_all` marks the commands'
-environment (``COURSE_PROCTREE=<token>``), which every process they start inherits. On timeout
-it asks the commands to stop (``SIGTERM``: torchrun then stops its workers itself) and waits a
-grace period; then, timeout or not, it kills every process that still carries the token
-(``psutil`` reads it).
+(``start_new_session=True``), so they would live on, orphaned, holding ports and CPU.
+:func:`run_all` finds the whole tree two ways, with ``psutil``:
+
+* it remembers every descendant of each command while they run (a look every 0.2 s);
+* it marks the commands' environment (``COURSE_PROCTREE=<token>``), which every process they start
+  inherits. This finds a process whose parent died before a look, re-parented to init. (Since Big
+  Sur, macOS seldom shows another process's environment, psutil issue 2084: there the looks do it.)
+
+On timeout it asks the commands to stop (``SIGTERM``: torchrun then stops its workers itself) and
+waits a grace period; then, timeout or not, it kills every process of the tree still there.
 
 ``run_all`` runs several commands at the same time (two ``torchrun`` agents that
 rendezvous with each other, for example) and returns when all have finished.
@@ -50,24 +53,27 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
     """Start every command (a list of arguments each) at once, wait for all of them.
 
     ``env`` replaces the environment (pass ``{**os.environ, ...}`` to extend it). Commands
-    still running after ``timeout`` seconds are stopped; no process they started outlives the call.
+    still running after ``timeout`` seconds are stopped, with every process they started.
     """
     if not commands or not all(isinstance(c, (list, tuple)) and c for c in commands):
         raise TypeError("commands must be a list of commands, each a list of arguments like ['torchrun', ...].")
-    token = uuid.uuid4().hex
     env = dict(os.environ if env is None else env)
-    env[MARK] = " ".join(filter(None, [env.get(MARK), token]))  # a run inside a run keeps the outer token
-    procs, files = [], []
+    token = uuid.uuid4().hex  # a run inside a run also keeps the outer run's tokens:
+    env[MARK] = " ".join({*os.environ.get(MARK, "").split(), *env.get(MARK, "").split(), token})
+    procs, files, tree = [], [], {}
     try:
         for args in commands:
             out = tempfile.TemporaryFile(mode="w+b")
             files.append(out)
             procs.append(subprocess.Popen([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True))
-        _wait(procs, until=time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            tree.update(descendants([p.pid for p in procs]))
+            time.sleep(0.2)  # a scan of all processes takes ~1 ms per 100 of them
         timed_out = [p.poll() is None for p in procs]
     finally:
-        _stop(procs, token, grace)
+        _stop(procs, tree, token, grace)
     results = []
     for args, proc, out, late in zip(commands, procs, files, timed_out):
         out.seek(0)
@@ -77,45 +83,65 @@ def run_all(commands, timeout: float, env: dict | None = None, cwd=None, grace: 
     return results
 
 
-def marked(token: str) -> list[psutil.Process]:
+def descendants(pids) -> dict[int, psutil.Process]:
+    """Every living process whose chain of parents leads to one of ``pids``."""
+    found = {}
+    for pid in pids:
+        try:
+            found.update((child.pid, child) for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:  # gone already
+            pass
+    return found
+
+
+def marked(token: str) -> dict[int, psutil.Process]:
     """Every living process whose environment carries ``token`` (see :func:`run_all`)."""
-    found = []
+    found = {}
     for process in psutil.process_iter():
         try:
             if token in process.environ().get(MARK, "").split():
-                found.append(process)
+                found[process.pid] = process
         except psutil.Error:  # gone, a zombie, or not ours to read
             pass
     return found
 
 
-def _wait(procs, until):
-    for p in procs:
-        try:
-            p.wait(max(0.0, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return
-
-
-def _stop(procs, token, grace):
+def _stop(procs, tree, token, grace):
+    tree.update(descendants([p.pid for p in procs]))  # and look again while they shut down
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
-    _wait(running, until=time.monotonic() + grace)
+    end = time.monotonic() + grace
+    while any(p.poll() is None for p in running) and time.monotonic() < end:
+        tree.update(descendants([p.pid for p in running]))
+        time.sleep(0.05)
+    tree.update(descendants([p.pid for p in procs]))
     for p in procs:
-        if p.poll() is None:
+        if p.poll() is None:  # not yet reaped, so its process group id cannot have been reused
+            _signal_group(p.pid, signal.SIGKILL)
             p.kill()
         p.wait()
     for _ in range(20):  # look again after each round: a process may start another one before it dies
-        left = marked(token)
+        left = {**tree, **marked(token)}
+        left.update(descendants(left))  # before they die: then their children are re-parented
+        left = [process for process in left.values() if _alive(process)]
         if not left:
             break
         for process in left:
+            _signal_group(process.pid, signal.SIGKILL)  # each torchrun worker leads its own process group
             try:
-                process.kill()  # psutil checks it is still the same process, not a new one with its pid
+                process.kill()
             except psutil.Error:
                 pass
+        tree = {}
         time.sleep(0.05)
+
+
+def _alive(process):
+    try:  # is_running: still the same process, not a new one that got its pid
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _signal_group(pid, sig):

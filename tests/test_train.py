@@ -439,6 +439,22 @@ def test_proctree_stops_what_a_run_inside_the_command_started(tmp_path):
     assert result.timed_out and (tmp_path / "started").exists()  # nothing_left_behind checks the child is gone
 
 
+def test_proctree_marks_what_it_starts_and_a_run_inside_a_run_keeps_the_outer_mark(tmp_path):
+    show = "import os; print(os.environ['COURSE_PROCTREE'])"
+    inner = (f"from course import proctree; import os, sys; "  # an explicit env without the outer mark
+             f"print(proctree.run([sys.executable, '-c', {show!r}], 60, env={{'PATH': os.environ['PATH']}}).output)")
+    outer = proctree.run([sys.executable, "-c", inner, str(tmp_path)], timeout=60, env=clean_env())
+    marks = outer.output.split()
+    assert outer.returncode == 0 and len(set(marks)) == 2 and all(re.fullmatch("[0-9a-f]{32}", m) for m in marks), outer.output
+
+
+def test_proctree_stops_a_process_that_dropped_the_environment(tmp_path):
+    """``env -i``: no mark to find it by; its parent link, seen while the parent lived, finds it."""
+    child = f"{sys.executable} -c 'import time; time.sleep(600)' {tmp_path}"
+    result = proctree.run(["bash", "-c", f"env -i {child} & sleep 1", str(tmp_path)], timeout=60, env=clean_env())
+    assert result.returncode == 0, result.output  # nothing_left_behind checks the child is gone
+
+
 def test_proctree_rejects_a_string_command():
     with pytest.raises(TypeError, match="list of arguments"):
         proctree.run("torchrun --standalone train.py", timeout=5)
