@@ -123,7 +123,7 @@ def _stop(procs, tree, token, grace):
         p.wait()
     for _ in range(20):  # look again after each round: a process may start another one before it dies
         left = {**tree, **marked(token)}
-        left.update(descendants(left))  # before they die: then their children are re-parented
+        left.update(descendants(list(left)))  # before they die: then their children are re-parented
         left = [process for process in left.values() if _alive(process)]
         if not left:
             break
@@ -133,7 +133,6 @@ def _stop(procs, tree, token, grace):
                 process.kill()
             except psutil.Error:
                 pass
-        tree = {}
         time.sleep(0.05)
 
 

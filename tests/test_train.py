@@ -386,9 +386,14 @@ def test_mpirun(slurm_and_mpi_jobs, reference):
 # ------------------------------------------------------------------ course.proctree
 
 
+def _sleeper(tmp_path):
+    """Python code that creates tmp_path/started, then sleeps for 10 minutes."""
+    return f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+
+
 def test_proctree_timeout_stops_the_whole_tree(tmp_path):
     """A command whose child hides in a session of its own (as torchrun's workers do)."""
-    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    child = _sleeper(tmp_path)
     parent = textwrap.dedent(f"""
         import subprocess, sys, time
         subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
@@ -401,7 +406,7 @@ def test_proctree_timeout_stops_the_whole_tree(tmp_path):
 
 def test_proctree_stops_what_a_command_starts_while_it_shuts_down(tmp_path):
     """A command that starts a process as it handles SIGTERM, in a session of its own, then exits."""
-    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    child = _sleeper(tmp_path)
     parent = textwrap.dedent(f"""
         import signal, subprocess, sys, time
         def stop(signum, frame):
@@ -419,7 +424,7 @@ def test_proctree_stops_what_a_command_starts_while_it_shuts_down(tmp_path):
 def test_proctree_stops_a_process_whose_parent_had_already_exited(tmp_path):
     """A command that starts a process in a session of its own and exits at once: the process is
     re-parented before anyone could see it as the command's child; it must not outlive the run."""
-    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    child = _sleeper(tmp_path)
     parent = textwrap.dedent(f"""
         import os, subprocess, sys, time
         subprocess.Popen([sys.executable, "-c", {child!r}, {str(tmp_path)!r}], start_new_session=True)
@@ -433,7 +438,7 @@ def test_proctree_stops_a_process_whose_parent_had_already_exited(tmp_path):
 
 def test_proctree_stops_what_a_run_inside_the_command_started(tmp_path):
     """The command itself runs a command with course.proctree, and is killed before it can stop it."""
-    child = f"import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(600)"
+    child = _sleeper(tmp_path)
     parent = f"from course import proctree; import sys; proctree.run([sys.executable, '-c', {child!r}], timeout=600)"
     result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=4, env=clean_env())
     assert result.timed_out and (tmp_path / "started").exists()  # nothing_left_behind checks the child is gone
