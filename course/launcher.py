@@ -15,13 +15,22 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
 
 * **Start method.** ``torch.multiprocessing.spawn`` pickles ``fn`` *by name*, and a
   function defined in a notebook lives in ``__main__``, which a fresh process cannot
-  import. On Linux we therefore ``fork``: the child is a copy of the kernel, so ``fn``
-  (closures included) is simply there, and starting a rank costs milliseconds because
-  torch is already imported. On macOS and Windows, where fork is unsafe or missing, and
-  on any machine with a CUDA GPU (where forked ranks break once the notebook has run a
-  backward pass: see :func:`default_start_method`), we ``spawn`` and send ``fn`` by
-  value with ``cloudpickle`` (slower: each rank imports torch). Pass ``start_method=``
-  to choose yourself.
+  import. On Linux without a GPU we therefore ``fork``: the child is a copy of the
+  kernel, so ``fn`` (closures included) is simply there, and starting a rank costs
+  milliseconds because torch is already imported. On a Linux machine with a CUDA GPU,
+  forked ranks break once the notebook has run a backward pass (see
+  :func:`default_start_method`), so we use a ``forkserver``: a process started once per
+  kernel, that imports torch and never runs anything else, forks each rank; ``fn`` is
+  sent by value with ``cloudpickle``. After the first launch (the server imports torch,
+  ~1.5 s) a launch costs about what a fork does. On macOS and Windows we ``spawn``
+  (each rank is a fresh interpreter that imports torch: seconds per launch) and send
+  ``fn`` the same way. Pass ``start_method=`` to choose yourself, or set the
+  ``COURSE_START_METHOD`` environment variable to change the default of every launch.
+* **Environment.** A forkserver's ranks are forks of a process started earlier, so each
+  rank takes the notebook's environment as it is at the launch (``os.environ``) before
+  anything else. Variables torch reads once, at ``import torch`` (such as
+  ``TORCH_DISTRIBUTED_DEBUG``), take effect only in spawned ranks: forked ones and the
+  forkserver's imported torch before the launch.
 * **Imports.** Forked ranks inherit the notebook's imported modules; ``launch`` imports
   the one DDP loads lazily (``torch._dynamo``, seconds) before forking, once per kernel.
 * **Threads.** OpenMP is not fork-safe: once the kernel has run a multi-threaded torch
@@ -47,7 +56,8 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   fail with "connection closed" instead of showing who really hung. Once every rank has
   reported, the parent kills them all at once (their process groups die with them:
   nothing is left to tear down, and gloo's teardown cannot abort). No process outlives
-  a launch, and on Linux workers die with the notebook kernel too.
+  a launch, and on Linux workers die with the notebook kernel too (a forkserver's
+  ranks die with the server, which ends when the kernel does).
 """
 
 from __future__ import annotations
@@ -79,9 +89,12 @@ from course.worker import (
     run_rank,
 )
 
-__all__ = ["launch", "WorkerError", "WorkerTimeoutError", "default_threads", "default_start_method"]
+__all__ = ["launch", "WorkerError", "WorkerTimeoutError", "default_threads", "default_start_method", "choose_start_method"]
 
-START_METHODS = ("fork", "spawn")
+START_METHODS = ("fork", "forkserver", "spawn")
+START_METHOD_VARIABLE = "COURSE_START_METHOD"  # overrides the default start method of every launch
+# What a forkserver imports once, so that its ranks (its forks) start with them imported.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course.launcher"]
 STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
 STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
@@ -96,8 +109,13 @@ def default_threads(world_size: int) -> int:
 
 
 def default_start_method(backend: str = "gloo") -> str:
-    """``fork`` on Linux (fast, works with notebook functions), ``spawn`` elsewhere, and
-    ``spawn`` on any machine with a CUDA GPU.
+    """The start method a launch gets when it does not name one: see :func:`choose_start_method`."""
+    return choose_start_method()[0]
+
+
+def choose_start_method() -> tuple[str, str]:
+    """``(start method, why)`` for this machine: ``$COURSE_START_METHOD`` if set; else ``fork``
+    on Linux without a CUDA GPU, ``forkserver`` on Linux with one, ``spawn`` on macOS and Windows.
 
     A fork copies the process but not its threads, and CUDA's driver state cannot be
     used in a forked child. With a GPU visible, the parent's first ``backward()`` starts
@@ -105,14 +123,24 @@ def default_start_method(backend: str = "gloo") -> str:
     rank fails in its own backward ("Unable to handle autograd's threading in
     combination with fork-based multiprocessing") or at its first CUDA call (measured
     on torch 2.11 with one H100: most notebooks of this course broke that way). A
-    spawned rank is a fresh interpreter: slower to start, and always safe."""
+    forkserver's ranks are forks of a process that only imported torch, which is safe.
+    On macOS forking a process that has loaded system frameworks is unsafe (Python's
+    own default there is spawn); the course keeps spawn there, untested with forkserver."""
+    chosen = os.environ.get(START_METHOD_VARIABLE, "").strip()
+    if chosen:
+        if chosen not in START_METHODS or chosen not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"{START_METHOD_VARIABLE}={chosen!r} is not a start method this machine has: use one of "
+                f"{[m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]}, or unset it."
+            )
+        return chosen, f"set by {START_METHOD_VARIABLE}"
     if sys.platform != "linux":
-        return "spawn"
+        return "spawn", f"{sys.platform}: fork is unsafe or missing here (macOS, Windows)"
     import torch
 
     if torch.cuda.is_available():
-        return "spawn"
-    return "fork"
+        return "forkserver", "Linux with a CUDA GPU: forked ranks would break after the notebook's first backward()"
+    return "fork", "Linux without a CUDA GPU: a fork is the fastest start"
 
 
 def launch(
@@ -139,15 +167,16 @@ def launch(
         show:         whose printed output to show: ``"all"``, one rank (``0``),
                       a list of ranks, or ``None`` for nobody.
         threads:      torch intra-op threads per rank. Always 1 with fork (OpenMP
-                      hangs otherwise); with spawn, default cores // world_size.
+                      hangs otherwise); otherwise default cores // world_size.
         backend:      ``"gloo"`` (CPU tensors), ``"nccl"`` (one CUDA GPU per rank), or a
                       name registered with ``torch.distributed.Backend.register_backend``
                       (e.g. ``"traced"``, from :mod:`course.tracing`).
-        start_method: ``"fork"`` (default on Linux) or ``"spawn"`` (default on macOS
-                      and Windows, and wherever a CUDA GPU is visible: see
-                      :func:`default_start_method`; ``fn`` is sent with cloudpickle; in a
-                      script, as always with spawn, call launch under
-                      ``if __name__ == "__main__":``).
+        start_method: ``"fork"`` (default on Linux without a GPU), ``"forkserver"``
+                      (default on Linux with a CUDA GPU) or ``"spawn"`` (default on macOS
+                      and Windows); ``$COURSE_START_METHOD`` changes the default (see
+                      :func:`choose_start_method`). Except with fork, ``fn`` is sent by
+                      value with cloudpickle; in a script, as always with spawn, call
+                      launch under ``if __name__ == "__main__":``.
         env:          extra environment variables set in each rank before it starts.
         init_process_group: ``False`` leaves the process group to ``fn`` (code written for
                       ``mp.spawn`` or torchrun): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
@@ -166,13 +195,17 @@ def launch(
             "intra-op thread can hang in OpenMP once the notebook has used several threads."
         )
     threads = threads or (1 if start_method == "fork" else default_threads(world_size))
-    ctx = multiprocessing.get_context(start_method)
+    ctx = _context(start_method)
     if start_method == "fork":
         _import_lazy_modules()
     payload = (fn, args, backend_plugin) if start_method == "fork" else pack(fn, args, backend_plugin)
+    # A forkserver started earlier, with the environment of then: its ranks take the notebook's of now.
+    environ = dict(os.environ) if start_method == "forkserver" else None
+    parent_pid = None if start_method == "forkserver" else os.getpid()  # the server is their parent
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
-        job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group)
+        job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group,
+                  environ=environ)
         display = live.LiveOutput(job, show_ranks) if show_ranks and live.in_jupyter() else None
         procs, readers = [], []
         try:
@@ -180,7 +213,7 @@ def launch(
             sys.stderr.flush()
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_rank_process, args=(rank, job, payload, writer, os.getpid()), daemon=True)
+                proc = ctx.Process(target=_rank_process, args=(rank, job, payload, writer, parent_pid), daemon=True)
                 with warnings.catch_warnings():
                     # Python >= 3.12 warns that forking a multi-threaded process (any
                     # Jupyter kernel) may deadlock. The child never touches the parent's
@@ -237,6 +270,16 @@ def _check_arguments(fn, world_size, timeout, show, threads, backend, start_meth
         if start_method == "fork" and torch.cuda.is_initialized():
             raise ValueError("CUDA is already initialised in this process, so forked ranks cannot use it; use start_method='spawn'.")
     return ranks_to_show(show, world_size)
+
+
+def _context(start_method):
+    """The multiprocessing context; a forkserver's is told what to import when it starts.
+    Python runs one forkserver per process: started by the first launch that uses it, it
+    serves every later launch, and exits when this process does."""
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
+    return ctx
 
 
 def _import_lazy_modules():
@@ -403,8 +446,14 @@ def _kill_all(procs):
 
 
 def _rank_process(rank, job, payload, conn, parent_pid):
-    """Body of each rank's process: report, then wait to be killed. Never returns."""
+    """Body of each rank's process: report, then wait to be killed. Never returns.
+    ``parent_pid`` is the launching process, or None when a forkserver forked us: then our
+    parent is the server, which exits when the launching process does."""
     try:
+        if parent_pid is None:
+            parent_pid = os.getppid()
+            if parent_pid == 1:  # the server is already gone
+                os._exit(1)
         _isolate(parent_pid)
         stack_file = open(_stack_path(job, rank), "w")
         if hasattr(signal, "SIGUSR1"):

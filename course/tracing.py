@@ -125,6 +125,18 @@ class TracingBackend(_BASE):
     def getBackendName(self):
         return BACKEND
 
+    # torch's C++ side asks a backend written in Python for these properties by looking
+    # them up on the object (c10d::PyBackend). Left undefined, the lookup finds the base
+    # class's property, which asks C++ again: a recursion that only Python's C recursion
+    # limit stops (1,500 levels on Python 3.12, an error torch then works around); on
+    # Python 3.13.0 the limit is 10,000 and the C stack overflows first: the rank dies with
+    # SIGSEGV in init_process_group or its first collective. Defined here, each is one call:
+    # gloo's options, and none of the optional capabilities (a plain backend's answer).
+    if _BASE is _C10dBackend:
+        options = property(lambda self: self.gloo.options)
+        supports_splitting = supports_coalescing = supports_reconfigure = supports_shrinking = supports_window = \
+            _supports_time_estimate = property(lambda self: False)
+
     def _record(self, method, args, kwargs):
         op, data = _OPS[method]
         tensors = [] if data is None or len(args) <= data else _flat(args[data])

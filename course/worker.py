@@ -63,6 +63,9 @@ class Job:
     env: dict = field(default_factory=dict)  # set in each rank before anything else
     init_process_group: bool = True  # False: fn calls init_process_group itself (env://)
     launcher: str = "course.launch"  # COURSE_LAUNCHER in the ranks, read by course.distenv
+    # The launcher's whole environment, for ranks forked by a server started earlier
+    # (forkserver): it replaces what they inherited. None: they inherited the right one.
+    environ: dict | None = None
 
     def output_path(self, rank: int) -> Path:
         return Path(self.workdir, f"rank{rank}.out")
@@ -206,6 +209,9 @@ def run_rank(rank: int, job: Job, payload, prepare=None) -> Report:
     ``prepare()``, if given, runs once the environment is set, as part of starting."""
     try:
         redirect_output(job.output_path(rank))
+        if job.environ is not None:
+            os.environ.clear()
+            os.environ.update(job.environ)
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(job.world_size),

@@ -17,19 +17,30 @@ import torch.distributed as dist
 
 import course
 from course import WorkerError, WorkerTimeoutError, launch
-from course.launcher import default_start_method
+from course.launcher import choose_start_method, default_start_method
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Started once per process by multiprocessing, they end with it: spawn's resource tracker, and
+# the forkserver (with its tracker), which serves every forkserver launch of this process.
+LONG_LIVED_HELPERS = ("resource_tracker", "multiprocessing.forkserver")
+
+# The start methods the failure and clean-up tests run under (spawn: one script, below).
+FORKING = ["fork", "forkserver"]
+
+
 def _children():
-    """Live descendants of this process, except multiprocessing's resource tracker
-    (spawn starts one per parent process; it ends with the parent)."""
+    """Live descendants of this process, except multiprocessing's long-lived helpers."""
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+        if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in LONG_LIVED_HELPERS)
     ]
+
+
+def _forkservers(pid):
+    return [p for p in psutil.Process(pid).children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(autouse=True)
@@ -117,8 +128,9 @@ def _chatty(rank, world_size):
     return rank
 
 
-def test_output_of_all_ranks_is_replayed_grouped_in_rank_order(capsys):
-    launch(_chatty, 3)
+@pytest.mark.parametrize("start_method", FORKING)
+def test_output_of_all_ranks_is_replayed_grouped_in_rank_order(capsys, start_method):
+    launch(_chatty, 3, start_method=start_method)
     expected = "".join(
         f"[rank {r}] hello from {r}\n[rank {r}] warning from {r}\n"
         f"[rank {r}] raw fd write from {r}\n[rank {r}] last line {r}\n"
@@ -149,7 +161,8 @@ def test_output_printed_before_a_failure_is_still_shown(capsys):
 # ---------------------------------------------------------------- failures
 
 
-def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly():
+@pytest.mark.parametrize("start_method", FORKING)
+def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly(start_method):
     def job(rank, world_size):
         if rank == 2:
             raise ValueError("bad batch on rank 2")
@@ -158,9 +171,10 @@ def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly():
         time.sleep(30)  # and would then sleep: they must be stopped, not awaited
         return rank
 
+    launch(lambda r, w: None, 1, start_method=start_method)  # a forkserver's first launch starts it: seconds
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        launch(job, 4, timeout=60)
+        launch(job, 4, timeout=60, start_method=start_method)
     assert time.monotonic() - start < 5
     err = info.value
     assert err.rank == 2
@@ -169,8 +183,8 @@ def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly():
     assert not isinstance(err, WorkerTimeoutError)
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_a_rank_killed_during_a_collective_is_named_not_the_peers_that_noticed(attempt):
+@pytest.mark.parametrize("start_method, attempt", [("fork", 0), ("fork", 1), ("fork", 2), ("forkserver", 0)])
+def test_a_rank_killed_during_a_collective_is_named_not_the_peers_that_noticed(start_method, attempt):
     def job(rank, world_size):
         if rank == 1:
             time.sleep(0.2)
@@ -179,7 +193,7 @@ def test_a_rank_killed_during_a_collective_is_named_not_the_peers_that_noticed(a
         time.sleep(30)
 
     with pytest.raises(WorkerError) as info:
-        launch(job, 3, timeout=60)
+        launch(job, 3, timeout=60, start_method=start_method)
     assert info.value.rank == 1
     assert str(info.value).startswith("rank 1 of 3 failed: process was killed by signal SIGKILL")
     assert info.value.failed[1].startswith("process was killed by signal SIGKILL")
@@ -201,15 +215,17 @@ def test_an_unpicklable_result_gives_a_clear_error():
         launch(job, 2)
 
 
-def test_a_missing_collective_times_out_naming_the_stuck_ranks_and_where_they_are():
+@pytest.mark.parametrize("start_method", FORKING)
+def test_a_missing_collective_times_out_naming_the_stuck_ranks_and_where_they_are(start_method):
     def job(rank, world_size):
         if rank != 1:  # rank 1 "forgets" the all_reduce
             dist.all_reduce(torch.ones(1))
         return rank
 
+    launch(lambda r, w: None, 1, start_method=start_method)  # a forkserver's first launch starts it: seconds
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
-        launch(job, 3, timeout=2)
+        launch(job, 3, timeout=2, start_method=start_method)
     elapsed = time.monotonic() - start
     assert 2 <= elapsed < 6
     err = info.value
@@ -219,14 +235,15 @@ def test_a_missing_collective_times_out_naming_the_stuck_ranks_and_where_they_ar
         assert "in job" in err.stacks[r] and err.stacks[r].rstrip().endswith("in all_reduce")
 
 
-def test_workers_and_their_children_are_killed_on_timeout(tmp_path):
+@pytest.mark.parametrize("start_method", FORKING)
+def test_workers_and_their_children_are_killed_on_timeout(tmp_path, start_method):
     def job(rank, world_size):
         child = subprocess.Popen(["sleep", "60"])
         Path(tmp_path, f"pids{rank}").write_text(f"{os.getpid()} {child.pid}")
         time.sleep(60)
 
     with pytest.raises(WorkerTimeoutError):
-        launch(job, 2, timeout=1.5)
+        launch(job, 2, timeout=1.5, start_method=start_method)
     pids = [int(p) for r in range(2) for p in Path(tmp_path, f"pids{r}").read_text().split()]
     assert _wait_gone(pids, 1) == []
 
@@ -295,7 +312,7 @@ def launched_from_a_script(tmp_path_factory):
     DDP step). Every spawned rank imports torch (seconds), so these tests share this one launch."""
     proc = _run_script(
         """
-        import time
+        import os, time
         import course, torch, torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         BASE = 100
@@ -312,29 +329,37 @@ def launched_from_a_script(tmp_path_factory):
             return BASE + rank + dist.get_world_size(), dist.get_backend(), t.item(), torch.get_num_threads(), extra
         def plain_gloo(store, rank, world_size, timeout):  # a backend creator, as register_backend expects
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        def environment(rank, world_size):
+            return tuple(os.environ.get(name) for name in ("COURSE_TEST_GONE", "COURSE_TEST_NEW", "COURSE_TEST_OPTION"))
         if __name__ == "__main__":  # a script needs this guard for spawn; a notebook does not
             dist.Backend.register_backend("scriptgloo", plain_gloo, devices=["cpu"])
             print(course.launch(job, 2, "plain", start_method="fork", show=None))
             print(course.launch(job, 2, SlowToUnpickle(), start_method="spawn", backend="scriptgloo", threads=2,
                                 timeout=2, show=None))
+            os.environ["COURSE_TEST_GONE"] = "then"  # in the server's environment: it starts now
+            print(course.launch(job, 2, "served", start_method="forkserver", backend="scriptgloo", show=None))
+            del os.environ["COURSE_TEST_GONE"]
+            os.environ["COURSE_TEST_NEW"] = "now"
+            print(course.launch(environment, 2, start_method="forkserver", env={"COURSE_TEST_OPTION": "x"}, show=None))
         """,
         tmp_path_factory.mktemp("script"),
     )
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
-    fork, spawn = (ast.literal_eval(line) for line in out.splitlines()[-2:])  # printed lists of tuples
-    return {"fork": fork, "spawn": spawn}
+    results = [ast.literal_eval(line) for line in out.splitlines()[-4:]]  # printed lists of tuples
+    return dict(zip(["fork", "spawn", "forkserver", "forkserver environment"], results))
 
 
-def test_functions_defined_in_main_work_with_fork_and_with_spawn(launched_from_a_script):
+def test_functions_defined_in_main_work_with_every_start_method(launched_from_a_script):
     # A notebook's functions live in __main__: exactly what mp.spawn cannot pickle.
-    for start_method in ("fork", "spawn"):
+    for start_method in ("fork", "spawn", "forkserver"):
         assert [r[0] for r in launched_from_a_script[start_method]] == [102, 103], start_method
 
 
-def test_workers_die_with_the_kernel(tmp_path):
+@pytest.mark.parametrize("start_method", FORKING)
+def test_workers_die_with_the_kernel(tmp_path, start_method):
     """The stop button (SIGINT: the kernel lives on, and runs the cell again), then the kernel
-    killed (SIGKILL): no orphans either time. One script plays the kernel."""
+    killed (SIGKILL): no orphans either time, and no forkserver. One script plays the kernel."""
     proc = _run_script(
         f"""
         import faulthandler, os, signal, time, course
@@ -349,10 +374,10 @@ def test_workers_die_with_the_kernel(tmp_path):
             Path({str(tmp_path)!r}, f"pid{{attempt}}-{{rank}}").write_text(str(os.getpid()))
             time.sleep(60)
         try:
-            course.launch(job, 2, 0, timeout=60)
+            course.launch(job, 2, 0, timeout=60, start_method={start_method!r})
         except KeyboardInterrupt:
             print("interrupted", flush=True)
-        course.launch(job, 2, 1, timeout=60)
+        course.launch(job, 2, 1, timeout=60, start_method={start_method!r})
         """,
         tmp_path,
     )
@@ -365,6 +390,7 @@ def test_workers_die_with_the_kernel(tmp_path):
             time.sleep(0.05)
         return [int(f.read_text()) for f in files]
 
+    servers = []
     try:
         first = rank_pids(0)
         proc.send_signal(signal.SIGINT)
@@ -375,24 +401,59 @@ def test_workers_die_with_the_kernel(tmp_path):
             proc.kill()
             pytest.fail(f"ranks {left} outlived the interrupt; the script:\n{proc.communicate(timeout=30)[0]}")
         second = rank_pids(1)  # the "kernel" survived the interrupt and launched again
+        servers = [p.pid for p in _forkservers(proc.pid)]
+        assert len(servers) == (start_method == "forkserver")  # one server served both launches
         proc.send_signal(signal.SIGKILL)
         out = proc.communicate(timeout=30)[0]
-        assert "interrupted" in out and _wait_gone(second) == []
+        assert "interrupted" in out and _wait_gone(second) == [] and _wait_gone(servers) == []
     finally:  # a failure must not leave a sleeping script or ranks behind for the next tests
         proc.kill()
         for pid in [int(text) for text in (f.read_text() for f in tmp_path.glob("pid*")) if text]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        for server in servers:
+            if _alive(server):
+                os.kill(server, signal.SIGKILL)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork is the default on Linux only")
-def test_a_machine_with_a_cuda_gpu_starts_ranks_with_spawn(monkeypatch):
+def test_a_machine_with_a_cuda_gpu_starts_ranks_with_a_forkserver(monkeypatch):
     # Measured on one H100 (torch 2.11): after one backward() in the parent, forked ranks fail in
     # their own backward ("autograd's threading in combination with fork-based multiprocessing").
+    monkeypatch.delenv("COURSE_START_METHOD", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_start_method("gloo") == "fork"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_start_method("gloo") == default_start_method("nccl") == "spawn"
+    assert default_start_method("gloo") == default_start_method("nccl") == "forkserver"
+    assert "CUDA GPU" in choose_start_method()[1]
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert choose_start_method() == ("spawn", "darwin: fork is unsafe or missing here (macOS, Windows)")
+
+
+def test_course_start_method_changes_the_default_of_every_launch(monkeypatch):
+    monkeypatch.setenv("COURSE_START_METHOD", "forkserver")
+    assert choose_start_method() == ("forkserver", "set by COURSE_START_METHOD")
+    parents = launch(lambda r, w: os.getppid(), 2, show=None)
+    assert parents[0] == parents[1] == _forkservers(os.getpid())[0].pid  # forked by the server
+    assert launch(lambda r, w: os.getppid(), 1, start_method="fork", show=None) == [os.getpid()]  # the argument wins
+    monkeypatch.setenv("COURSE_START_METHOD", "vfork")
+    with pytest.raises(ValueError, match="COURSE_START_METHOD='vfork' is not a start method.*or unset it"):
+        launch(lambda r, w: r, 1)
+    assert _children() == []
+
+
+def test_forkserver_ranks_may_use_several_threads():
+    def job(rank, world_size):
+        torch.ones(500, 500) @ torch.ones(500, 500)  # OpenMP threads: a forked rank would hang here
+        return torch.get_num_threads()
+
+    torch.ones(500, 500) @ torch.ones(500, 500)  # the notebook has used several threads
+    assert launch(job, 2, start_method="forkserver", threads=2, show=None, timeout=30) == [2, 2]
+
+
+def test_forkserver_ranks_see_the_environment_of_the_launch_not_of_the_server(launched_from_a_script):
+    # The script started its server with COURSE_TEST_GONE set, then unset it and set COURSE_TEST_NEW.
+    assert launched_from_a_script["forkserver environment"] == [(None, "now", "x")] * 2
 
 
 def test_the_timeout_counts_from_when_every_rank_has_started(launched_from_a_script):
@@ -423,7 +484,7 @@ def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(launched_fr
         ((lambda r, w: r, 2), {"backend": "mpi"}, ValueError, "Unknown backend 'mpi'"),
         ((lambda r, w: r, 2), {"timeout": 0}, ValueError, "timeout must be a positive number"),
         ((lambda r, w: r, 2), {"show": 5}, ValueError, "show must be"),
-        ((lambda r, w: r, 2), {"start_method": "forkserver"}, ValueError, "start_method must be"),
+        ((lambda r, w: r, 2), {"start_method": "vfork"}, ValueError, "start_method must be"),
         ((lambda r, w: r, 2), {"threads": 0}, ValueError, "threads must be"),
         ((lambda r, w: r, 2), {"env": {"A": 1}}, TypeError, "env must be a dict"),
     ],
@@ -468,9 +529,11 @@ def test_a_backend_registered_with_register_backend_can_be_launched(registered_b
     assert results == [(registered_backend_name, 3.0)] * 2
 
 
-def test_spawned_ranks_register_the_backend_again_before_init(launched_from_a_script):
-    # The script registered "scriptgloo" in its __main__: spawned ranks get the creator by value.
-    assert [r[1:3] for r in launched_from_a_script["spawn"]] == [("scriptgloo", 3.0)] * 2
+def test_spawned_and_forkserver_ranks_register_the_backend_again_before_init(launched_from_a_script):
+    # The script registered "scriptgloo" in its __main__: spawned ranks get the creator by value,
+    # and so do a forkserver's (the server started before the registration, and never runs it).
+    for start_method in ("spawn", "forkserver"):
+        assert [r[1:3] for r in launched_from_a_script[start_method]] == [("scriptgloo", 3.0)] * 2
 
 
 def test_an_unknown_backend_name_says_how_to_register_one():
@@ -593,15 +656,16 @@ def test_initialising_twice_names_the_fix():
         launch(lambda r, w: r, 2, init_process_group="no")
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_rank_that_dies_alone_is_reported_at_once_not_at_the_timeout(world_size):
+@pytest.mark.parametrize("start_method, world_size", [("fork", 1), ("fork", 2), ("forkserver", 2)])
+def test_a_rank_that_dies_alone_is_reported_at_once_not_at_the_timeout(start_method, world_size):
     def job(rank, world_size):
         if rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(30)
 
+    launch(lambda r, w: None, 1, start_method=start_method)  # a forkserver's first launch starts it: seconds
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        launch(job, world_size, timeout=60, show=None)
+        launch(job, world_size, timeout=60, show=None, start_method=start_method)
     assert time.monotonic() - start < 10
     assert info.value.failed[0].startswith("process was killed by signal SIGKILL")

@@ -199,6 +199,20 @@ def test_registering_twice_is_harmless_and_the_name_is_known_to_torch():
     assert dist.Backend.TRACED == "traced" and "traced" in dist.Backend.backend_list
 
 
+@pytest.mark.skipif(tracing.TracingBackend.__mro__[1] is dist.ProcessGroup, reason="a Python Backend needs torch >= 2.14")
+def test_the_properties_torch_asks_a_python_backend_for_answer_without_recursing(tmp_path):
+    # torch's C++ side looks these up on the object; undefined, the base class's property asks C++
+    # again: RecursionError here on Python <= 3.12, and on 3.13.0 SIGSEGV (C stack overflow).
+    import datetime
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    backend = tracing.TracingBackend(store, 0, 1, datetime.timedelta(seconds=10))
+    assert type(backend.options) is type(backend.gloo.options)
+    for name in ("supports_splitting", "supports_coalescing", "supports_reconfigure", "supports_shrinking",
+                 "supports_window", "_supports_time_estimate"):
+        assert getattr(backend, name) is False, name
+
+
 # ---------------------------------------------------------------- cross-checks
 
 
