@@ -69,6 +69,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from multiprocessing.connection import wait
@@ -202,6 +203,9 @@ def launch(
     # A forkserver started earlier, with the environment of then: its ranks take the notebook's of now.
     environ = dict(os.environ) if start_method == "forkserver" else None
     parent_pid = None if start_method == "forkserver" else os.getpid()  # the server is their parent
+    # A forkserver's ranks cannot die with their parent (the server outlives us while they
+    # live: each holds the server's "alive" pipe): they watch a pipe only this process writes to.
+    watched, alive = ctx.Pipe(duplex=False) if start_method == "forkserver" else (None, None)
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
         job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group,
@@ -213,7 +217,7 @@ def launch(
             sys.stderr.flush()
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_rank_process, args=(rank, job, payload, writer, parent_pid), daemon=True)
+                proc = ctx.Process(target=_rank_process, args=(rank, job, payload, writer, parent_pid, watched), daemon=True)
                 with warnings.catch_warnings():
                     # Python >= 3.12 warns that forking a multi-threaded process (any
                     # Jupyter kernel) may deadlock. The child never touches the parent's
@@ -223,9 +227,13 @@ def launch(
                 writer.close()  # keep only the child's copy: EOF on ``reader`` == child gone
                 procs.append(proc)
                 readers.append(reader)
+            if watched is not None:
+                watched.close()  # the ranks have their copies
             reports = _supervise(procs, readers, job, display)
         finally:
             _kill_all(procs)
+            if alive is not None:
+                alive.close()
             if display is not None:
                 display.close()
             replay_output(job, show_ranks)
@@ -445,16 +453,16 @@ def _kill_all(procs):
 # --------------------------------------------------------------------------- child side
 
 
-def _rank_process(rank, job, payload, conn, parent_pid):
+def _rank_process(rank, job, payload, conn, parent_pid, launcher_alive=None):
     """Body of each rank's process: report, then wait to be killed. Never returns.
     ``parent_pid`` is the launching process, or None when a forkserver forked us: then our
-    parent is the server, which exits when the launching process does."""
+    parent is the server, and ``launcher_alive`` a pipe that ends when the launcher does."""
     try:
         if parent_pid is None:
             parent_pid = os.getppid()
-            if parent_pid == 1:  # the server is already gone
-                os._exit(1)
         _isolate(parent_pid)
+        if launcher_alive is not None:
+            threading.Thread(target=_die_with_the_launcher, args=(launcher_alive,), daemon=True).start()
         stack_file = open(_stack_path(job, rank), "w")
         if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -463,6 +471,18 @@ def _rank_process(rank, job, payload, conn, parent_pid):
             time.sleep(0.5)
     finally:
         os._exit(1)  # skip the parent's (e.g. Jupyter's) exit handlers
+
+
+def _die_with_the_launcher(alive):
+    """Wait until nobody can write to ``alive`` any more (the launcher is gone), then kill this
+    rank and whatever it started (its own process group, see :func:`_isolate`)."""
+    try:
+        alive.recv()
+    except (EOFError, OSError):
+        pass
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
 
 
 def _isolate(parent_pid):

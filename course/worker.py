@@ -20,6 +20,9 @@ A new launcher starts ``world_size`` processes that each call :func:`run_rank` a
 from __future__ import annotations
 
 import datetime
+import functools
+import io
+import linecache
 import os
 import pickle
 import re
@@ -185,9 +188,38 @@ def pack(fn, args, backend: RegisteredBackend | None = None) -> bytes:
     except ImportError as e:
         raise RuntimeError("Starting ranks that do not fork needs cloudpickle: pip install cloudpickle") from e
     try:
-        return cloudpickle.dumps((fn, args, backend))
+        buffer = io.BytesIO()
+        _keep_source_pickler()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, backend))
+        return buffer.getvalue()
     except Exception as e:
         raise TypeError(f"fn and its arguments must be picklable to start ranks that do not fork: {e}") from e
+
+
+@functools.cache
+def _keep_source_pickler():
+    """cloudpickle's Pickler, except that a function's code keeps its file name and, for code
+    typed in a notebook cell, the cell's lines: cloudpickle renames every file "<dynamic-code>",
+    which would leave a rank's traceback without the line that failed."""
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+
+    base = cloudpickle.CloudPickler
+    reduce_code = base.dispatch_table[types.CodeType]
+
+    def code_with_source(code):
+        make, args = reduce_code(code)
+        cell = linecache.cache.get(code.co_filename)
+        return _rebuild_code, (make, args, code.co_filename, cell if not os.path.exists(code.co_filename) else None)
+
+    return type("KeepSourcePickler", (base,), {"dispatch_table": ChainMap({types.CodeType: code_with_source}, base.dispatch_table)})
+
+
+def _rebuild_code(make, args, filename, cell):
+    if cell is not None:  # a notebook cell's lines, for tracebacks
+        linecache.cache.setdefault(filename, cell)
+    return make(*args).replace(co_filename=filename)
 
 
 def unpack(payload):

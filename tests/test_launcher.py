@@ -183,6 +183,22 @@ def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly(start_me
     assert not isinstance(err, WorkerTimeoutError)
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_traceback_from_a_rank_shows_the_notebook_cell_line_that_failed(start_method):
+    # A function typed in a notebook cell: its file does not exist, only Jupyter's linecache knows
+    # its lines. cloudpickle alone names every file "<dynamic-code>" (no line shown).
+    import linecache
+
+    cell = "/tmp/ipykernel_0/course_test_cell.py"
+    source = "def job(rank, world_size):\n    x = 1\n    raise ValueError('from the cell')\n"
+    linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)  # as IPython stores a cell
+    namespace = {}
+    exec(compile(source, cell, "exec"), namespace)
+    with pytest.raises(WorkerError) as info:
+        launch(namespace["job"], 1, start_method=start_method, show=None)
+    assert f'File "{cell}", line 3, in job\n    raise ValueError(\'from the cell\')' in info.value.traceback
+
+
 @pytest.mark.parametrize("start_method, attempt", [("fork", 0), ("fork", 1), ("fork", 2), ("forkserver", 0)])
 def test_a_rank_killed_during_a_collective_is_named_not_the_peers_that_noticed(start_method, attempt):
     def job(rank, world_size):
@@ -373,11 +389,12 @@ def test_workers_die_with_the_kernel(tmp_path, start_method):
         def job(rank, world_size, attempt):
             Path({str(tmp_path)!r}, f"pid{{attempt}}-{{rank}}").write_text(str(os.getpid()))
             time.sleep(60)
-        try:
-            course.launch(job, 2, 0, timeout=60, start_method={start_method!r})
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-        course.launch(job, 2, 1, timeout=60, start_method={start_method!r})
+        if __name__ == "__main__":  # a forkserver's rank imports a script again, as spawn's do
+            try:
+                course.launch(job, 2, 0, timeout=60, start_method={start_method!r})
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            course.launch(job, 2, 1, timeout=60, start_method={start_method!r})
         """,
         tmp_path,
     )
