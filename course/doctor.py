@@ -110,7 +110,14 @@ def doctor() -> int:
     if not ok:
         return 1
 
-    from course.launcher import launch
+    from course.launcher import choose_start_method, launch
+
+    try:
+        method, why = choose_start_method()
+    except ValueError as e:  # a bad COURSE_START_METHOD
+        _line(False, "start method", str(e))
+        return 1
+    _line(None, "start method of course.launch", f"{method} ({why}; COURSE_START_METHOD changes it)")
 
     def ping(rank, world_size):
         t = torch.tensor([rank + 1.0])
@@ -134,9 +141,10 @@ def doctor() -> int:
 
         (ops, grad0), (_, grad1) = launch(_ddp_trace, 2, backend="traced", show=None, timeout=60)
     except Exception as e:
+        too_old = oldest and _version(torch.__version__) < _version(oldest)
         ok &= _line(False, what, f"{type(e).__name__}: {e}".splitlines()[0]
-                    + f" — torch {torch.__version__} cannot run course.tracing; install a supported torch"
-                    + (f" (>= {oldest})" if oldest else ""))
+                    + f" — Python {platform.python_version()} with torch {torch.__version__} cannot run course.tracing; "
+                    + (f"install a supported torch (>= {oldest})" if too_old else "see README.md, Supported versions"))
     else:
         ok &= _line("all_reduce" in ops and torch.equal(grad0, grad1), what, ", ".join(ops))
     part_ii = torch_at_least(PART_II_TORCH)

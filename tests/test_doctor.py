@@ -10,6 +10,16 @@ def test_doctor_passes_here_and_runs_a_traced_ddp_launch(capsys):
     out = capsys.readouterr().out
     assert "[ok  ] traced backend sees DDP's collectives (notebooks 04, 05): all_gather, broadcast, broadcast, all_reduce" in out
     assert out.rstrip().endswith("All good: the course runs here.")
+    assert "[info] start method of course.launch: " in out
+
+
+def test_the_start_method_and_why(capsys, monkeypatch):
+    monkeypatch.setenv("COURSE_START_METHOD", "forkserver")
+    assert doctor.doctor() == 0
+    assert "[info] start method of course.launch: forkserver (set by COURSE_START_METHOD;" in capsys.readouterr().out
+    monkeypatch.setenv("COURSE_START_METHOD", "fastest")
+    assert doctor.doctor() == 1
+    assert "[FAIL] start method: COURSE_START_METHOD='fastest' is not a start method" in capsys.readouterr().out
 
 
 def test_a_torch_older_than_the_declared_floor_fails_with_the_install_command(capsys, monkeypatch):
@@ -27,6 +37,7 @@ def test_a_traced_backend_that_cannot_be_built_fails_clearly(capsys, monkeypatch
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "traced backend" in line)
     assert line.startswith("[FAIL]") and "No constructor defined" in line and "cannot run course.tracing" in line
+    assert "Python 3." in line and "see README.md, Supported versions" in line  # this torch is not too old
     assert out.rstrip().endswith("Something above failed: see README.md, Troubleshooting.")
 
 
