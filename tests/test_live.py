@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _kernel_env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def _kernel_env(start_method="fork"):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "COURSE_START_METHOD": start_method}
 
 
 SLOW_CELL = """\
@@ -52,14 +54,16 @@ class _Recording(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
-def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path):
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_method):
     """The build (nbclient) stores the cell; nbval then re-runs it and compares: it must pass,
-    and the stored output must hold the replay, not the live lines."""
+    and the stored output must hold the replay, not the live lines. With fork (Linux) and with
+    a forkserver (Linux with a GPU), whose ranks are not the kernel's children."""
     go = tmp_path / "go"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SLOW_CELL.format(go=str(go)))])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     env_before = dict(os.environ)
-    os.environ.update(_kernel_env())
+    os.environ.update(_kernel_env(start_method))
     try:
         client = _Recording(nb, timeout=300, kernel_name="python3", shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(ROOT)}}, go=go)
@@ -77,6 +81,6 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path):
     nbformat.write(nb, path)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env", str(path)],
-        capture_output=True, text=True, cwd=tmp_path, env=_kernel_env(), timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, env=_kernel_env(start_method), timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
