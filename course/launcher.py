@@ -65,6 +65,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -426,7 +427,9 @@ def _read_stack(path, wait_s=1.0):
         size = new_size
         time.sleep(0.05)
     text = path.read_text() if path.exists() else ""
-    frames = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    threads = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+ .*$", text, flags=re.MULTILINE)
+    ours = [t for t in threads if f" in {run_rank.__name__}\n" in t + "\n"]  # the thread that runs fn, not a helper's
+    frames = [line.strip() for line in (ours[0] if ours else text).splitlines() if line.strip().startswith("File ")]
     frames.reverse()  # faulthandler prints the most recent call first
     inside = [i for i, f in enumerate(frames) if f.endswith(f" in {run_rank.__name__}")]
     if inside:  # keep the user's frames, below the worker's own
