@@ -29,8 +29,8 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
 * **Environment.** A forkserver's ranks are forks of a process started earlier, so each
   rank takes the notebook's environment as it is at the launch (``os.environ``) before
   anything else. Variables torch reads once, at ``import torch`` (such as
-  ``TORCH_DISTRIBUTED_DEBUG``), take effect only in spawned ranks: forked ones and the
-  forkserver's imported torch before the launch.
+  ``TORCH_DISTRIBUTED_DEBUG``), take effect only in spawned ranks: a forked rank's torch
+  was imported before the launch, by the notebook or by the forkserver.
 * **Imports.** Forked ranks inherit the notebook's imported modules; ``launch`` imports
   the one DDP loads lazily (``torch._dynamo``, seconds) before forking, once per kernel.
 * **Threads.** OpenMP is not fork-safe: once the kernel has run a multi-threaded torch
@@ -56,8 +56,9 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   fail with "connection closed" instead of showing who really hung. Once every rank has
   reported, the parent kills them all at once (their process groups die with them:
   nothing is left to tear down, and gloo's teardown cannot abort). No process outlives
-  a launch, and on Linux workers die with the notebook kernel too (a forkserver's
-  ranks die with the server, which ends when the kernel does).
+  a launch, and on Linux workers die with the notebook kernel too (a forkserver's ranks,
+  which are the server's children, watch a pipe that ends with the kernel; the server
+  itself exits once the kernel and its ranks are gone).
 """
 
 from __future__ import annotations
