@@ -8,6 +8,7 @@ measures instead of trusting the law::
     with wire.measure() as m:
         dist.all_reduce(t)
     m.sent, m.received            # bytes, this rank only
+    wire.sent_per_peer(m)         # {peer rank: bytes sent to it} (a collective: every rank calls it)
 
 gloo talks over TCP sockets, and Linux keeps two counters for every TCP socket
 (``getsockopt(IPPROTO_TCP, TCP_INFO)``): ``tcpi_bytes_acked``, the bytes this end sent
@@ -34,7 +35,7 @@ import struct
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h): 8 one-byte fields, then u32s.
 _UNACKED = 24  # __u32 tcpi_unacked: segments sent and not yet acknowledged
@@ -54,6 +55,7 @@ class Measurement:
 
     sent: int = 0
     received: int = 0
+    per_socket: dict = field(default_factory=dict)  # socket -> bytes sent on it
 
 
 def available() -> bool:
@@ -114,3 +116,47 @@ def measure():
         acked0, received0, _ = before.get(sock, (0, 0, 0))
         result.sent += acked - acked0
         result.received += received - received0
+        result.per_socket[sock] = acked - acked0
+
+
+def endpoints() -> dict:
+    """{socket: ((local host, port), (remote host, port))} for this process's connected TCP sockets."""
+    found = {}
+    for sock in tcp_counters():
+        fd = _fd_of(sock)
+        if fd is None:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:  # the family (IPv4/IPv6) is read from the fd
+                found[sock] = (s.getsockname()[:2], s.getpeername()[:2])
+        except OSError:  # a listening socket has no peer
+            continue
+    return found
+
+
+def _fd_of(sock):
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == sock:
+                return int(fd)
+        except OSError:
+            continue
+    return None
+
+
+def sent_per_peer(measurement: Measurement) -> dict:
+    """{rank: bytes this rank sent to it} for a :func:`measure` block. A collective over the
+    default group (every rank must call it): the ranks swap their sockets' addresses, and a
+    socket whose remote address is another rank's local one leads to that rank."""
+    import torch.distributed as dist
+
+    mine = endpoints()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(mine.values()))
+    owner = {local: rank for rank, pairs in enumerate(everyone) for local, _ in pairs}
+    per_peer = {}
+    for sock, sent in measurement.per_socket.items():
+        if sock in mine and mine[sock][1] in owner and sent:
+            peer = owner[mine[sock][1]]
+            per_peer[peer] = per_peer.get(peer, 0) + sent
+    return per_peer

@@ -70,3 +70,25 @@ def test_other_systems_get_a_clear_error(monkeypatch):
     with pytest.raises(wire.WireUnavailable, match="Linux"):
         with wire.measure():
             pass
+
+
+def _per_peer(rank, world_size):
+    t = torch.ones(N)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    dist.barrier()
+    with wire.measure() as m:
+        dist.all_reduce(t, group=groups[rank // 2])  # each pair all-reduces alone
+        if rank == 0:
+            dist.send(t[:1000], 3)
+        elif rank == 3:
+            dist.recv(t[:1000], 0)
+    return wire.sent_per_peer(m)
+
+
+def test_bytes_are_attributed_to_the_rank_they_went_to():
+    per_peer = launch(_per_peer, 4, show=None)
+    partner = {0: 1, 1: 0, 2: 3, 3: 2}
+    for rank, sent in enumerate(per_peer):
+        assert 4 * N <= sent[partner[rank]] < 4 * N * 1.01  # a 2-rank all-reduce: the tensor, once
+    assert 4000 <= per_peer[0][3] < 4100 and set(per_peer[0]) == {1, 3}
+    assert set(per_peer[1]) == {0} and set(per_peer[2]) == {3}
