@@ -191,7 +191,7 @@ def bytes_sent(predict):
 # ------------------------------------------------------------------ Exercise 3: the EP x DP gradient sync
 
 SYNC_MESHES = [(4, 2), (2, 2), (4, 1)]  # (ranks, dp): 2x2, then pure DP, then pure EP
-STEPS, LR = 2, 0.1
+STEPS, LR = 1, 0.1  # one step: a wrong expert update does not yet change the router's gradient
 
 
 def _mean_loss(layer_output, target):
@@ -256,4 +256,4 @@ def ep_dp_sync(sync):
         if not experts:
             return wrong(f"on a {mesh}, the router is right but the experts are not: which ranks hold the same experts, "
                          "and by what must their sum be divided?")
-    return correct("on 2x2, 2x1 and 1x4 meshes (dp x ep), 2 SGD steps: the router and every expert equal one process's.")
+    return correct("on 2x2, 2x1 and 1x4 meshes (dp x ep), one SGD step: the router and every expert equal one process's.")
