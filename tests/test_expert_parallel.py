@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from course import expert_parallel as ep
 from course import launch
+from course.checks import nb15
 from course.notebooks import SOLUTIONS
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the same sums, perhaps in another order
@@ -140,66 +141,14 @@ def test_experts_that_do_not_split_evenly_are_refused_with_a_clear_error():
 
 # ------------------------------------------------------------------ EP x DP: which group sums which gradient
 
-STEPS, LR = 2, 0.1
 
-
-def _mean_loss(y, aux, target):
-    return ((y - target) ** 2).mean() + 0.01 * aux
-
-
-def _train_ep_dp(rank, world_size, dp, average_experts_over_ep_group=False):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "ep"))
-    full = _moe(4, 2, 1.0)
-    layer = ep.ExpertParallelMoE(full, mesh.get_group("ep"))
-    optimizer = torch.optim.SGD(layer.parameters(), lr=LR)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        y, aux = layer(_tokens(10 * step + rank))
-        _mean_loss(y, aux, _upstream(10 * step + rank)).backward()
-        if average_experts_over_ep_group:  # the wrong group: another rank's experts are other parameters
-            ep.sync_gradients(layer, mesh.get_group("ep"))
-        else:
-            ep.sync_gradients(layer, mesh.get_group("dp"))
-        optimizer.step()
-    per_rank = 4 // mesh.size(1)
-    first = mesh.get_local_rank("ep") * per_rank
-    return {"router": layer.router.weight.detach(),
-            "experts": {first + i: [p.detach() for p in e.parameters()] for i, e in enumerate(layer.experts)}}
-
-
-def _train_one_process(world_size):
-    moe = _moe(4, 2, 1.0)
-    optimizer = torch.optim.SGD(moe.parameters(), lr=LR)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        losses = [_mean_loss(*moe(_tokens(10 * step + r)), _upstream(10 * step + r)) for r in range(world_size)]
-        (sum(losses) / world_size).backward()
-        optimizer.step()
-    return moe
-
-
-def _matches(results, moe):
-    ok = True
-    for r in results:
-        ok &= torch.allclose(r["router"], moe.router.weight, **TIGHT)
-        for e, params in r["experts"].items():
-            ok &= all(torch.allclose(p, q, **TIGHT) for p, q in zip(params, moe.experts[e].parameters()))
-    return ok
-
-
-@pytest.mark.parametrize("world_size, dp", [(2, 1), (4, 2), (4, 1)])
+@pytest.mark.parametrize("world_size, dp", [(2, 1), (4, 2), (4, 1), (2, 2)])
 def test_ep_times_dp_with_sync_gradients_trains_like_one_process(world_size, dp):
-    results = launch(_train_ep_dp, world_size, dp, show=None, timeout=120)
-    moe = _train_one_process(world_size)
-    assert _matches(results, moe)
-    assert not torch.allclose(moe.router.weight, _moe(4, 2, 1.0).router.weight)  # it did train
-
-
-def test_averaging_expert_gradients_over_the_ep_group_is_wrong():
-    results = launch(_train_ep_dp, 4, 2, True, show=None, timeout=120)
-    assert not _matches(results, _train_one_process(4))
+    results = launch(nb15.train_ep_dp, world_size, dp, ep.sync_gradients, show=None, timeout=120)
+    moe = nb15.train_one_process(world_size)
+    assert nb15.compare_training(results, moe) == (True, True)
+    assert not torch.allclose(moe.router.weight, nb15.make_moe(4, 2, 1.0).router.weight)  # it did train
+    # (wrong syncs, e.g. experts averaged over the wrong group: tests/test_checks_nb15.py and notebook 15)
 
 
 # ------------------------------------------------------------------ notebook 15 derives this code

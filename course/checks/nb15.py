@@ -199,7 +199,8 @@ def _mean_loss(layer_output, target):
     return ((y - target) ** 2).mean() + 0.01 * aux
 
 
-def _sync_run(rank, world_size, dp, sync):
+def train_ep_dp(rank, world_size, dp, sync):
+    """One SGD step of the expert-parallel layer on a (dp, ep) mesh, gradients synced by ``sync(layer, dp_group)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "ep"))
@@ -245,7 +246,7 @@ def compare_training(results, moe):
 def ep_dp_sync(sync):
     """Exercise 3: fix the gradient sync; trained on 2x2, 1x2 and 1x4 meshes (dp x ep) it must match one process."""
     for world_size, dp in SYNC_MESHES:
-        results = launch(_sync_run, world_size, dp, sync, show=None, timeout=60)
+        results = launch(train_ep_dp, world_size, dp, sync, show=None, timeout=60)
         router, experts = compare_training(results, train_one_process(world_size))
         mesh = f"{dp} x {world_size // dp} mesh (dp x ep)"
         if not router and not experts:
