@@ -226,7 +226,9 @@ def sync_gradients(model, expert_data_group, group=None):
     """
     world = dist.get_world_size(group)
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen: no gradient to sync (every rank skips it alike)
+            continue
         if p.grad is None:
-            p.grad = torch.zeros_like(p)  # an expert that received no token: every rank must join
+            p.grad = torch.zeros_like(p)  # a parameter this rank did not use: every rank must join
         dist.all_reduce(p.grad, group=expert_data_group if is_expert(name) else group)
         p.grad /= world

@@ -151,6 +151,24 @@ def test_ep_times_dp_with_sync_gradients_trains_like_one_process(world_size, dp)
     # (wrong syncs, e.g. experts averaged over the wrong group: tests/test_checks_nb15.py and notebook 15)
 
 
+def _sync_with_frozen_and_unused(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"router": torch.nn.Linear(2, 2), "experts": torch.nn.ModuleList([torch.nn.Linear(2, 2)])})
+    model["router"].bias.requires_grad_(False)  # frozen
+    model["router"].weight.grad = torch.full((2, 2), float(rank + 1))
+    # the expert got no gradient on rank 0 (unused there), 3.0 on rank 1
+    model["experts"][0].weight.grad = None if rank == 0 else torch.full((2, 2), 3.0)
+    ep.sync_gradients(model, dist.new_group([0, 1]))
+    return (model["router"].bias.grad, model["router"].weight.grad[0, 0].item(),
+            model["experts"][0].weight.grad[0, 0].item(), model["experts"][0].bias.grad.abs().sum().item())
+
+
+def test_sync_gradients_skips_frozen_parameters_and_joins_with_zeros_for_unused_ones():
+    results = launch(_sync_with_frozen_and_unused, 2, show=None, timeout=60)
+    # router: (1 + 2) / 2; expert: (0 + 3) / 2 (summed over its group, divided by all ranks); unused bias: 0
+    assert results == [(None, 1.5, 1.5, 0.0)] * 2
+
+
 # ------------------------------------------------------------------ notebook 15 derives this code
 
 
