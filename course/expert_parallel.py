@@ -92,8 +92,10 @@ def route(router, x, k, capacity_factor=None):
 def load_balancing_loss(routing):
     """Switch Transformer's auxiliary loss, E · Σ_e f_e P_e: f_e, the fraction of assignments
     routed to expert e (a count: no gradient), P_e, its mean router probability (differentiable).
-    It is 1 for an even load and E for every token on one expert."""
+    It is 1 for an even load and E for every token on one expert (top-1); 0 for no tokens."""
     n_experts = routing.logits.shape[-1]
+    if routing.experts.numel() == 0:  # a rank with no tokens of its own: no load, no loss (not 0/0)
+        return routing.logits.sum() * 0
     f = F.one_hot(routing.experts, n_experts).sum((0, 1)) / routing.experts.numel()
     p = routing.logits.softmax(dim=-1).mean(0)
     return n_experts * (f * p).sum()
@@ -182,7 +184,8 @@ def run_experts(experts, x_received, counts_received):
 class ExpertParallelMoE(nn.Module):
     """:class:`MoE` with its experts spread over the ranks of ``group``: this rank keeps experts
     ``rank * E/N`` to ``(rank + 1) * E/N - 1`` of ``full`` and a copy of its router. Each rank
-    routes its own tokens; ``forward`` returns what ``full`` returns for them."""
+    routes its own tokens; ``forward`` returns what ``full`` returns for them. ``full`` must be
+    the same on every rank (made with the same seed): each rank keeps its own copy of the router."""
 
     def __init__(self, full: MoE, group=None):
         super().__init__()

@@ -83,6 +83,7 @@ CASES = {  # (world size, experts, k, capacity factor, skew, tokens per rank, po
     "4 ranks, 8 experts, top-1, capacity 1.25": (4, 8, 1, 1.25, 0.0, TOKENS, False),
     "4 ranks, 4 experts, top-2, skewed, capacity 1.0": (4, 4, 2, 1.0, 3.0, TOKENS, True),
     "3 ranks, 3 experts, 5/12/1 tokens, capacity 1.0": (3, 3, 2, 1.0, 0.0, (5, 12, 1), False),
+    "3 ranks, 6 experts, 7/0/4 tokens: a rank with no tokens of its own": (3, 6, 2, None, 0.0, (7, 0, 4), False),
 }
 
 
@@ -117,6 +118,12 @@ def test_route_and_the_capacity_factor():
     assert kept.max() <= capacity and (~r.keep).any()
     torch.testing.assert_close(r.weights.sum(-1), torch.ones(TOKENS, dtype=torch.float64))
     assert ep.route(moe.router, _tokens(0), 2).keep.all()  # no capacity factor: nothing dropped
+
+
+def test_an_empty_batch_gives_no_output_and_a_zero_balancing_loss():
+    moe = _moe(4, 2, 1.0)
+    y, aux = moe(torch.zeros(0, DIM, dtype=torch.float64))
+    assert y.shape == (0, DIM) and aux.item() == 0.0
 
 
 def test_load_balancing_loss_is_one_when_even_and_e_when_concentrated():
