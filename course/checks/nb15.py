@@ -22,7 +22,7 @@ ALL_TO_ALL = {"all_to_all", "all_to_all_single"}
 # no token at all (the skewed router sends every token to expert 0).
 LAYER_CASES = [
     (2, 4, 2, None, 0.0, (12, 12)),
-    (3, 6, 2, 1.0, 0.0, (5, 12, 1)),
+    (3, 6, 2, 1.0, 0.0, (5, 12, 0)),  # rank 2 has no tokens of its own
     (4, 4, 1, None, 6.0, (6, 6, 6, 6)),
 ]
 
