@@ -18,6 +18,13 @@ from course import launch
 from course.checks import nb15
 from course.notebooks import SOLUTIONS
 
+from course.doctor import PART_II_TORCH, torch_at_least  # noqa: E402
+
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+pytestmark = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+)
+
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the same sums, perhaps in another order
 DIM, HIDDEN, TOKENS = 8, 16, 12
 
