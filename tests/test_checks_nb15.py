@@ -6,8 +6,7 @@ import torch.distributed as dist
 
 from course import expert_parallel as ep
 from course.checks import nb15
-
-from course.doctor import PART_II_TORCH, torch_at_least  # noqa: E402
+from course.doctor import PART_II_TORCH, torch_at_least
 
 # course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
 pytestmark = pytest.mark.skipif(
