@@ -333,6 +333,35 @@ def write_solutions(path: Path):
     path.write_text(json.dumps(all_solutions(), indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def exercise_answers(nb) -> list:
+    """``[[exercise, [answer names]], ...]`` for one solution notebook, in the notebook's order:
+    the names each exercise's ``check.NAME(answer, ...)`` call passes. ``python -m course grade``
+    reads them to know what to take out of a student's notebook."""
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for call in _CHECK_CALL.finditer(cell.source):
+            args = ast.parse(f"f({call['args']})", mode="eval").body
+            if args.keywords or not all(isinstance(a, ast.Name) for a in args.args):
+                raise ValueError(f"check.{call['exercise']}({call['args']}): pass the answers by name only, "
+                                 "so that the grader knows which names to take from a student's notebook")
+            found.append([call["exercise"], [a.id for a in args.args]])
+    return found
+
+
+def all_exercise_answers() -> dict:
+    """{notebook number: {"file": its file name, "exercises": exercise_answers(...)}} for every solution notebook."""
+    return {
+        path.name[:2]: {"file": path.name, "exercises": exercise_answers(nbformat.read(path, as_version=4))}
+        for path in solution_paths()
+    }
+
+
+def write_exercise_answers(path: Path):
+    path.write_text(json.dumps(all_exercise_answers(), indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write(nb, path: Path):
     nbformat.validate(nb)
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
@@ -352,3 +381,4 @@ def build(names=(), run: bool = True):
     from course.exercises import SOLUTIONS_FILE
 
     write_solutions(SOLUTIONS_FILE)
+    write_exercise_answers(SOLUTIONS_FILE.with_name("answers.json"))
