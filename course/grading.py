@@ -80,7 +80,8 @@ class Verdict:
 
 
 def exercise_table() -> dict:
-    """{"03": {"file": "03_distributed_sampler.ipynb", "exercises": [[check, [answer names]], ...]}}."""
+    """{"03": {"file": "03_distributed_sampler.ipynb", "exercises": [{"check": ..., "answers": [names],
+    "check_cell": id, "answer_cells": [ids]}, ...]}}: see ``course.notebooks.exercise_answers``."""
     return json.loads(ANSWERS_FILE.read_text(encoding="utf-8"))
 
 
@@ -164,13 +165,27 @@ def _describe(index, cell) -> str:
     return f"cell {index + 1} (`{first[:40]}{'…' if len(first) > 40 else ''}`)"
 
 
+def extraction_points(nb, exercises: list) -> dict:
+    """{cell index: the exercises whose answers are taken out after that cell}: after the
+    exercise's check cell, else after the last of its answer cells (found by cell id), else at
+    the end (index None). Not simply at the end: some notebooks rebind an answer's name to the
+    course's own version after the exercise (``from course.zero import zero1_step``)."""
+    ids = {cell.get("id"): index for index, cell in enumerate(nb.cells)}
+    points = {}
+    for exercise in exercises:
+        answer_cells = [ids[a] for a in exercise["answer_cells"] if a in ids]
+        at = ids.get(exercise["check_cell"], max(answer_cells, default=None))
+        points.setdefault(at, []).append(exercise)
+    return points
+
+
 def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str | None, str | None]:
     """Run one student notebook in a fresh kernel and take out each exercise's answers.
 
     Returns ``(taken, lost, note)``: ``taken`` maps each exercise to ``{"answers": base64
-    pickle}``, ``{"missing": [names]}`` or ``{"error": why}``; ``lost`` says why every exercise
-    is lost (the kernel died or would not stop), else None; ``note`` what went wrong on the way
-    (a cell that failed or ran past its limit, the notebook stopped at its limit), else None."""
+    pickle}``, ``{"missing": [names], "where": ...}`` or ``{"error": why}``; ``lost`` says why
+    every exercise is lost (the kernel died or would not stop), else None; ``note`` what went
+    wrong on the way (a cell that failed or ran past its limit), else None."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -182,8 +197,9 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # not JSON, not a notebook
         return {}, f"cannot read the notebook: {type(e).__name__}: {e}", None
+    points = extraction_points(nb, exercises)
     token = uuid.uuid4().hex
-    notes, stopped = [], None
+    notes, taken = [], {}
     with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
         nbformat.write(nb, Path(tmp) / path.name)  # the copy the kernel runs beside; the submission is never touched
         client = NotebookClient(nb, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate",
@@ -193,45 +209,62 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
             client.timeout = max(1, math.ceil(limit))
             client.execute_cell(cell, index)
 
-        def run_own(source, limit):  # a cell of the grader's, after the notebook's
+        def run_own(source, limit):  # a cell of the grader's
             nb.cells.append(nbformat.v4.new_code_cell(source))
             run(nb.cells[-1], len(nb.cells) - 1, limit)
 
+        def take(due, where):
+            out = Path(tmp) / f"answers-{token}-{len(taken)}.json"
+            names = [[x["check"], x["answers"]] for x in due]
+            try:
+                run_own(f"{_EXTRACT}_course_grade_extract({names!r}, {str(out)!r})\ndel _course_grade_extract\n", limits.cell)
+            except CellTimeoutError:
+                return "taking the answers out of the kernel ran past its time limit"
+            found = _read_taken(out, [x["check"] for x in due])
+            if isinstance(found, str):
+                return found
+            taken.update((check, {**entry, "where": where} if "missing" in entry else entry) for check, entry in found.items())
+
+        cells = list(enumerate(nb.cells))
+        index = None
         try:
             with client.setup_kernel(env={**os.environ, proctree.MARK: token},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
                 deadline = time.monotonic() + limits.notebook
-                for index, cell in enumerate(list(nb.cells)):
-                    if cell.cell_type != "code" or only_checks(cell.source):
-                        continue
+                for index, cell in cells:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        stopped = f"the notebook ran past its {limits.notebook:g} s limit before {_describe(index, cell)}"
                         break
-                    try:
-                        run(cell, index, min(limits.cell, left))
-                    except CellTimeoutError:
-                        run_sync(client.km.interrupt_kernel)()
+                    if cell.cell_type == "code" and not only_checks(cell.source):
                         try:
-                            run_own("pass", limits.interrupt)
+                            run(cell, index, min(limits.cell, left))
                         except CellTimeoutError:
-                            return {}, f"{_describe(index, cell)} ran past its time limit and did not stop when interrupted", None
-                        if left < limits.cell:
-                            stopped = f"the notebook ran past its {limits.notebook:g} s limit in {_describe(index, cell)}"
-                            break
-                        notes.append(f"{_describe(index, cell)} ran past its {limits.cell:g} s limit and was interrupted")
-                        continue
-                    errors = [o for o in cell.outputs if o.output_type == "error"]
-                    if errors:
-                        notes.append(f"{_describe(index, cell)} raised {errors[0].ename}: {errors[0].evalue}")
-                out = Path(tmp) / f"answers-{token}.json"
-                try:
-                    run_own(f"{_EXTRACT}_course_grade_extract({exercises!r}, {str(out)!r})\ndel _course_grade_extract\n", limits.cell)
-                except CellTimeoutError:
-                    return {}, "taking the answers out of the kernel ran past its time limit", None
-                taken = _read_taken(out, exercises)
+                            run_sync(client.km.interrupt_kernel)()
+                            try:
+                                run_own("pass", limits.interrupt)
+                            except CellTimeoutError:
+                                return {}, f"{_describe(index, cell)} ran past its time limit and did not stop when interrupted", None
+                            if left < limits.cell:
+                                break  # the notebook's limit
+                            notes.append(f"{_describe(index, cell)} ran past its {limits.cell:g} s limit and was interrupted")
+                        else:
+                            errors = [o for o in cell.outputs if o.output_type == "error"]
+                            if errors:
+                                notes.append(f"{_describe(index, cell)} raised {errors[0].ename}: {errors[0].evalue}")
+                    if index in points:
+                        lost = take(points.pop(index), f"after {_describe(index, cell)}, the exercise's")
+                        if lost:
+                            return {}, lost, None
+                else:
+                    if None in points:
+                        lost = take(points.pop(None), "when the notebook ended")
+                        if lost:
+                            return {}, lost, None
+                for due in points.values():  # not reached
+                    stopped = f"not reached: the notebook ran past its {limits.notebook:g} s limit at {_describe(index, nb.cells[index])}"
+                    taken.update((x["check"], {"error": stopped}) for x in due)
         except DeadKernelError:
-            where = _describe(index, cell) if "cell" in locals() else "start-up"
+            where = _describe(index, nb.cells[index]) if index is not None else "start-up"
             return {}, f"the kernel died while running {where} (it crashed, exited or ran out of memory)", None
         finally:
             for process in proctree.marked(token).values():  # whatever the notebook started and left running
@@ -239,18 +272,15 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
                     process.kill()
                 except Exception:
                     pass
-    if isinstance(taken, str):
-        return {}, taken, None
-    note = "; ".join(([stopped] if stopped else []) + notes[:1]) or None
-    return taken, None, note
+    return taken, None, "; ".join(notes[:1]) or None
 
 
-def _read_taken(out: Path, exercises: list):
-    """The extraction file, checked (the kernel wrote it: it is data, never trusted code); a
+def _read_taken(out: Path, checks: list):
+    """One extraction file, checked (the kernel wrote it: it is data, never trusted code); a
     string says why it cannot be used."""
     if not out.is_file():
-        return "the grader's last cell wrote no answers (the notebook changed the kernel too much)"
-    if out.stat().st_size > MAX_ANSWER_BYTES * max(1, len(exercises)) * 2:
+        return "the grader's cell wrote no answers (the notebook changed the kernel too much)"
+    if out.stat().st_size > MAX_ANSWER_BYTES * len(checks) * 2:
         return "the answers are too large to judge"
     try:
         taken = json.loads(out.read_text(encoding="utf-8"))
@@ -259,7 +289,7 @@ def _read_taken(out: Path, exercises: list):
     if not isinstance(taken, dict):
         return "the answers could not be read"
     clean = {}
-    for check, _ in exercises:
+    for check in checks:
         entry = taken.get(check)
         if isinstance(entry, dict) and len(entry) == 1:
             (kind, value), = entry.items()
@@ -346,6 +376,11 @@ def _judge_one(exercise, answers: str) -> dict:
             raise TypeError(f"expected a tuple of answers, got {type(loaded).__name__}")
     except BaseException as e:
         return {"status": "error", "message": f"the answer could not be loaded for judging: {type(e).__name__}: {e}"}
+    for answer in loaded:  # e.g. the notebook's own `from course.zero import zero1_step`, after the exercise
+        module = getattr(answer, "__module__", None)
+        if callable(answer) and isinstance(module, str) and module.split(".")[0] == "course":
+            return {"status": "error", "message": f"the answer is the course's own {module}.{getattr(answer, '__qualname__', '')}, "
+                                                  "not one written in the notebook"}
     try:
         feedback = exercise(*loaded)
     except BaseException as e:  # what the student sees in the notebook: a traceback, not a verdict
@@ -464,7 +499,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[V
             exercises = table[number]["exercises"]
             taken, lost, note = run_notebook(path, exercises, limits)
             done = []
-            for check, names in exercises:
+            for check in (x["check"] for x in exercises):
                 entry = taken.get(check, {})
                 if lost:
                     verdict, feedback = "error", lost
@@ -472,7 +507,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[V
                     verdict, feedback = judge.judge(number, check, entry["answers"], limits.check)
                 elif "missing" in entry:
                     missing = ", ".join(f"`{n}`" for n in entry["missing"])
-                    verdict, feedback = "error", f"{missing} not defined when the notebook ended" + (f" ({note})" if note else "")
+                    verdict, feedback = "error", f"{missing} not defined {entry['where']}" + (f" ({note})" if note else "")
                 else:
                     verdict, feedback = "error", entry.get("error", "no answer")
                 done.append(Verdict(student, number, check, judge.title(number, check), verdict, feedback, str(path)))
@@ -485,7 +520,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[V
                 if (student, number) not in chosen:
                     verdicts += [Verdict(student, number, check, judge.title(number, check), "not attempted",
                                          f"no notebook {number} in the submission", "")
-                                 for check, _ in table[number]["exercises"]]
+                                 for check in (x["check"] for x in table[number]["exercises"])]
     finally:
         judge.close()
     return verdicts

@@ -9,6 +9,10 @@ Two groups, each graded by one call (one judge, one kernel per notebook):
 * small notebooks with 01's answers, graded with a 3 s cell limit: one that hangs (interrupted,
   the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
   whose answer attacks the checker when the check calls it.
+
+Marked slow (about a minute of kernels and time limits on 2 cores): ``pytest`` leaves them
+out, ``.ci/run`` runs them after it; run them with ``pytest -m slow tests/test_grading.py``.
+The fast tests at the end run in ``pytest``.
 """
 
 import csv
@@ -95,21 +99,24 @@ def graded_01(tmp_path_factory):
         outputs={"c07": "✅ Exercise 1 (weight_grad): matches autograd.",
                  "c10": "✅ Exercise 2 (chunk_mean_grad): correct!", "55a48994": "✅ Exercise 3 (chunk_loss): correct!"}))
     write(folder, "patched_course", student_01(WRONG, before={"c02": patch_course}, drop={"c07", "c10", "55a48994"}))
+    write(folder, "borrows", student_01({"c06": "from course.checks.nb01 import _autograd_weight_grad as weight_grad"}))
     out = folder / "grades.csv"
     assert main(["grade", *sorted(str(p) for p in folder.iterdir()), "--csv", str(out)]) == 0
     with open(out, newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_the_csv_has_one_row_per_student_and_exercise(graded_01):
     assert list(graded_01[0]) == grading.COLUMNS
     assert sorted((r["student"], r["exercise"]) for r in graded_01) == sorted(
-        (s, e) for s in ["solved", "untouched", "wrong", "fake_check", "patched_course"] for e in EXERCISES)
+        (s, e) for s in ["solved", "untouched", "wrong", "fake_check", "patched_course", "borrows"] for e in EXERCISES)
     assert {r["notebook"] for r in graded_01} == {"01"}
     assert {r["title"] for r in graded_01} == {"Exercise 1 (weight_grad)", "Exercise 2 (chunk_mean_grad)", "Exercise 3 (chunk_loss)"}
     assert all(r["file"].endswith("01_single_device.ipynb") for r in graded_01)
 
 
+@pytest.mark.slow
 def test_solved_untouched_and_wrong_notebooks_get_what_they_earned(graded_01):
     assert {e: v for e, (v, _) in verdicts_of(graded_01, "solved").items()} == dict.fromkeys(EXERCISES, "correct")
     untouched = verdicts_of(graded_01, "untouched")
@@ -121,6 +128,7 @@ def test_solved_untouched_and_wrong_notebooks_get_what_they_earned(graded_01):
     assert wrong["chunk_loss"][0] == "not attempted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("student", ["fake_check", "patched_course"])
 def test_tampering_earns_nothing(graded_01, student):
     """A redefined ``check`` with edited ✅ outputs, or ``course`` patched to say correct with
@@ -154,6 +162,7 @@ def graded_small(tmp_path_factory):
     return paths, grading.grade_notebooks([(s, p) for s, p in paths.items()], limits, log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_a_hanging_cell_is_interrupted_and_the_rest_graded(graded_small):
     rows = [v.row() for v in graded_small[1]]
     hangs = verdicts_of(rows, "hangs")
@@ -163,6 +172,7 @@ def test_a_hanging_cell_is_interrupted_and_the_rest_graded(graded_small):
                                             "(cell 2 (`import time`) ran past its 3 s limit and was interrupted)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("student, reason", [
     ("ignores_interrupt", "cell 2 (`import signal`) ran past its time limit and did not stop when interrupted"),
     ("crashes", "the kernel died while running cell 2 (`import os`) (it crashed, exited or ran out of memory)"),
@@ -173,6 +183,7 @@ def test_a_notebook_that_hangs_or_dies_costs_only_its_own_exercises(graded_small
     assert verdicts_of(rows, "hangs")["weight_grad"][0] == "correct"  # graded before and after them
 
 
+@pytest.mark.slow
 def test_an_answer_that_attacks_the_checker_forges_only_its_own_verdict(graded_small):
     """The README's limit: an answer is code the check runs. Its patch (torch.allclose always
     True) dies with the child that judged it: the next exercise is judged by a clean one."""
@@ -181,6 +192,14 @@ def test_an_answer_that_attacks_the_checker_forges_only_its_own_verdict(graded_s
     assert attacks["chunk_mean_grad"][0] == "wrong"
 
 
+@pytest.mark.slow
+def test_the_courses_own_function_is_no_answer(graded_01):
+    borrows = verdicts_of(graded_01, "borrows")
+    assert borrows["weight_grad"] == ("error", "the answer is the course's own course.checks.nb01._autograd_weight_grad, "
+                                               "not one written in the notebook")
+
+
+@pytest.mark.slow
 def test_progress_prints_a_table_of_the_saved_notebooks(tmp_path, capsys):
     path = write(tmp_path, "me", small(RIGHT_WEIGHT_GRAD, FULL_BATCH), name="01_mine.ipynb")
     assert main(["progress", str(path), "--cell-timeout", "30"]) == 0
@@ -212,7 +231,24 @@ def test_answers_json_is_what_the_build_writes_and_names_every_exercise():
     for number, entry in table.items():
         module = importlib.import_module(f"course.checks.nb{number}")
         exercises = {name for name, x in vars(module).items() if isinstance(x, Exercise)}
-        assert [check for check, _ in entry["exercises"]] and {check for check, _ in entry["exercises"]} == exercises, number
+        checks = [x["check"] for x in entry["exercises"]]
+        assert checks and set(checks) == exercises, number
+        assert all(x["check_cell"] and x["answer_cells"] for x in entry["exercises"]), number
+
+
+def test_answers_are_taken_after_the_exercise_not_at_the_end():
+    """Notebook 11 binds ``zero1_step`` to the course's version after its exercise: an untouched
+    notebook's answer is taken before that, as the student's check saw it."""
+    nb = nbformat.read(ROOT / "notebooks" / "11_zero_and_fsdp.ipynb", as_version=4)
+    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
+    assert "\ncheck.zero1_step(zero1_step)" in nb.cells[at].source
+    later = [i for i, c in enumerate(nb.cells) if "from course.zero import zero1_step" in c.source]
+    assert later and at < later[0]
+    nb.cells = [c for c in nb.cells if "check.zero1_step(" not in c.source]  # deleted: after its answer cell
+    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
+    assert "def zero1_step(" in nb.cells[at].source
 
 
 def test_only_check_calls_are_skipped():
