@@ -20,6 +20,7 @@ def main(argv=None):
         command.add_argument("--cell-timeout", type=float, default=120, help="seconds one cell may run (default 120)")
         command.add_argument("--notebook-timeout", type=float, default=900, help="seconds a notebook may run (default 900)")
         command.add_argument("--check-timeout", type=float, default=180, help="seconds to judge one exercise (default 180)")
+        command.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each runs its own ranks)")
     args = parser.parse_args(argv)
 
     if args.command in ("grade", "progress"):
@@ -27,8 +28,8 @@ def main(argv=None):
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
         if args.command == "grade":
-            return grading.grade(args.submissions, args.csv, limits)
-        return grading.progress(args.notebooks, limits)
+            return grading.grade(args.submissions, args.csv, limits, args.jobs)
+        return grading.progress(args.notebooks, limits, args.jobs)
     if args.command == "doctor":
         from course.doctor import doctor
 

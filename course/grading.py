@@ -9,17 +9,20 @@ grader trusts nothing the notebook says about itself, only the answers it comput
    it imports the course's checks before any student code runs, so what it judges with is
    the course as installed.
 2. **Each notebook runs in a fresh kernel** (nbclient), in a temporary folder, never in the
-   grader's process, with a time limit per cell and per notebook. Cells that only call
-   ``check....`` are skipped: their verdict would not count. A cell past its limit is
+   grader's process, with a time limit per cell and per notebook. Its calls on ``check``
+   are left out: their verdict would not count. A cell past its limit is
    interrupted and the notebook goes on, as in Jupyter. A kernel that dies or ignores the
    interrupt costs that notebook's exercises (marked ``error``, with the reason), nothing else.
-3. **The answers are taken out by value**: a last cell, the grader's, pickles with cloudpickle
-   the names each exercise's ``check.NAME(...)`` call passes in the solution notebook
-   (``course/checks/answers.json``, written by ``python -m course build``) and writes them to
-   a file. The kernel is then shut down; nothing else of it is kept.
+3. **The answers are taken out by value**: after each exercise's check cell (or, if it was
+   deleted, its answer cells), a cell of the grader's pickles with cloudpickle the names that
+   exercise's ``check.NAME(...)`` call passes in the solution notebook
+   (``course/checks/answers.json``, written by ``python -m course build``) into a file. Not
+   at the end: some notebooks bind an answer's name to the course's own version after the
+   exercise. The kernel is then shut down; nothing else of it is kept.
 4. **The judge judges them**: each exercise in a child process forked from the judge (on
    Linux), which loads that exercise's answers and calls the real check, under a time limit.
-   Whatever an answer does when the check calls it dies with that child.
+   Whatever an answer does when the check calls it dies with that child. An answer that is
+   the course's own function (imported, not written) is no answer.
 
 What this cannot stop: an answer is code, and the check runs it. An answer written to attack
 the checker (rewriting the check's process when called, or the course's files on disk while
@@ -144,20 +147,28 @@ def _course_grade_extract(exercises, path):
 """
 
 
-def only_checks(source: str) -> bool:
-    """True for a cell whose every statement is a call on ``check`` (``check.x(x)``,
-    ``check.x.hint()``): the grader skips it, as its verdict would not count."""
+def without_checks(source: str) -> str:
+    """A cell's source without its calls on ``check`` (``check.x(x)``, ``check.x.hint()``): their
+    verdict would not count, and running them costs time. Unchanged if the cell is not plain
+    Python (IPython syntax) or such a call shares a line with other code."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return False
+        return source
 
     def on_check(node):
         while isinstance(node, (ast.Attribute, ast.Call)):
             node = node.func if isinstance(node, ast.Call) else node.value
         return isinstance(node, ast.Name) and node.id == "check"
 
-    return bool(tree.body) and all(isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and on_check(s.value) for s in tree.body)
+    drop, keep = set(), set()
+    for statement in tree.body:
+        lines = range(statement.lineno - 1, statement.end_lineno)
+        is_check = isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call) and on_check(statement.value)
+        (drop if is_check else keep).update(lines)
+    if drop & keep:
+        return source
+    return "".join(line for i, line in enumerate(source.splitlines(keepends=True)) if i not in drop)
 
 
 def _describe(index, cell) -> str:
@@ -235,7 +246,9 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    if cell.cell_type == "code" and not only_checks(cell.source):
+                    if cell.cell_type == "code":
+                        cell.source = without_checks(cell.source)
+                    if cell.cell_type == "code" and cell.source.strip():
                         try:
                             run(cell, index, min(limits.cell, left))
                         except CellTimeoutError:
@@ -318,7 +331,7 @@ class Judge:
             [sys.executable, "-m", "course.grading", "judge", *numbers],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
         )
-        self.lines = queue.Queue()
+        self.lines, self.lock = queue.Queue(), threading.Lock()  # one request at a time
         threading.Thread(target=self._read, daemon=True).start()
         hello = self._reply(600)
         if hello is None:
@@ -349,9 +362,10 @@ class Judge:
             return "error", f"the checks of notebook {number} cannot be imported here: {self.broken[number]}"
         if self.process.poll() is not None:
             return "error", "the judge process has stopped"
-        self.process.stdin.write(json.dumps({"notebook": number, "check": check, "answers": answers, "timeout": timeout}) + "\n")
-        self.process.stdin.flush()
-        reply = self._reply(timeout + 60)
+        with self.lock:
+            self.process.stdin.write(json.dumps({"notebook": number, "check": check, "answers": answers, "timeout": timeout}) + "\n")
+            self.process.stdin.flush()
+            reply = self._reply(timeout + 60)
         if not isinstance(reply, dict) or reply.get("status") not in VERDICTS or not isinstance(reply.get("message"), str):
             return "error", "the judge gave no verdict"
         return VERDICTS[reply["status"]], reply["message"]
@@ -470,9 +484,12 @@ def serve(numbers) -> int:
 # --------------------------------------------------------------------------- grading
 
 
-def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[Verdict]:
-    """Every exercise's verdict for each (student, notebook path) in ``submissions``; a
-    student who handed in no copy of a notebook that others did gets "not attempted" rows."""
+def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int = 1) -> list[Verdict]:
+    """Every exercise's verdict for each (student, notebook path) in ``submissions``, ``jobs``
+    notebooks at a time; a student who handed in no copy of a notebook that others did gets
+    "not attempted" rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import nbformat
 
     table = exercise_table()
@@ -493,28 +510,34 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[V
             log(f"{student}: {path} ignored, {kept} is their notebook {number}")
     numbers = sorted({n for _, n in chosen})
     judge = Judge(numbers)
+
+    def grade_one(item):
+        (student, number), path = item
+        start = time.monotonic()
+        exercises = table[number]["exercises"]
+        taken, lost, note = run_notebook(path, exercises, limits)
+        done = []
+        for check in (x["check"] for x in exercises):
+            entry = taken.get(check, {})
+            if lost:
+                verdict, feedback = "error", lost
+            elif "answers" in entry:
+                verdict, feedback = judge.judge(number, check, entry["answers"], limits.check)
+            elif "missing" in entry:
+                missing = ", ".join(f"`{n}`" for n in entry["missing"])
+                verdict, feedback = "error", f"{missing} not defined {entry['where']}" + (f" ({note})" if note else "")
+            else:
+                verdict, feedback = "error", entry.get("error", "no answer")
+            done.append(Verdict(student, number, check, judge.title(number, check), verdict, feedback, str(path)))
+        solved = sum(v.verdict == "correct" for v in done)
+        log(f"{student} {path.name}: {solved} of {len(done)} correct ({time.monotonic() - start:.0f} s)"
+            + (f" — {lost}" if lost else ""))
+        return done
+
     try:
-        for (student, number), path in chosen.items():
-            start = time.monotonic()
-            exercises = table[number]["exercises"]
-            taken, lost, note = run_notebook(path, exercises, limits)
-            done = []
-            for check in (x["check"] for x in exercises):
-                entry = taken.get(check, {})
-                if lost:
-                    verdict, feedback = "error", lost
-                elif "answers" in entry:
-                    verdict, feedback = judge.judge(number, check, entry["answers"], limits.check)
-                elif "missing" in entry:
-                    missing = ", ".join(f"`{n}`" for n in entry["missing"])
-                    verdict, feedback = "error", f"{missing} not defined {entry['where']}" + (f" ({note})" if note else "")
-                else:
-                    verdict, feedback = "error", entry.get("error", "no answer")
-                done.append(Verdict(student, number, check, judge.title(number, check), verdict, feedback, str(path)))
-            solved = sum(v.verdict == "correct" for v in done)
-            log(f"{student} {path.name}: {solved} of {len(done)} correct ({time.monotonic() - start:.0f} s)"
-                + (f" — {lost}" if lost else ""))
-            verdicts += done
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            for done in pool.map(grade_one, chosen.items()):
+                verdicts += done
         for student in dict.fromkeys(s for s, _ in chosen):
             for number in numbers:
                 if (student, number) not in chosen:
@@ -523,7 +546,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print) -> list[V
                                  for check in (x["check"] for x in table[number]["exercises"])]
     finally:
         judge.close()
-    return verdicts
+    return sorted(verdicts, key=lambda v: (v.student, v.notebook))  # stable: exercises stay in the notebook's order
 
 
 def write_csv(verdicts, path):
@@ -556,12 +579,12 @@ def progress_table(verdicts) -> str:
     return _table(rows) + f"\n\n{solved} of {sum(bool(v.exercise) for v in verdicts)} exercises solved."
 
 
-def grade(paths, csv_path=None, limits: Limits = Limits()) -> int:
+def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1) -> int:
     """``python -m course grade``: every student's verdicts to ``csv_path``, a summary printed."""
     submissions = find_submissions(paths)
     if not submissions:
         raise SystemExit("no notebooks found in " + " ".join(map(str, paths)))
-    verdicts = grade_notebooks(submissions, limits, log=lambda s: print(s, file=sys.stderr, flush=True))
+    verdicts = grade_notebooks(submissions, limits, log=lambda s: print(s, file=sys.stderr, flush=True), jobs=jobs)
     if csv_path:
         write_csv(verdicts, csv_path)
         print(f"wrote {len(verdicts)} rows to {csv_path}", file=sys.stderr)
@@ -569,7 +592,7 @@ def grade(paths, csv_path=None, limits: Limits = Limits()) -> int:
     return 0
 
 
-def progress(paths=(), limits: Limits = Limits()) -> int:
+def progress(paths=(), limits: Limits = Limits(), jobs: int = 1) -> int:
     """``python -m course progress``: the verdicts for your own notebooks (the saved files)."""
     if not paths:
         from course.notebooks import STUDENT
@@ -578,7 +601,7 @@ def progress(paths=(), limits: Limits = Limits()) -> int:
     notebooks = [p for path in map(Path, paths) for p in (sorted(path.glob("[0-9][0-9]_*.ipynb")) if path.is_dir() else [path])]
     if not notebooks:
         raise SystemExit("no notebooks found in " + " ".join(map(str, paths)))
-    verdicts = grade_notebooks([("you", p) for p in notebooks], limits, log=lambda s: print(s, file=sys.stderr, flush=True))
+    verdicts = grade_notebooks([("you", p) for p in notebooks], limits, log=lambda s: print(s, file=sys.stderr, flush=True), jobs=jobs)
     print(progress_table(verdicts))
     return 0
 

@@ -6,7 +6,7 @@ Two groups, each graded by one call (one judge, one kernel per notebook):
 * notebook 01 as a student hands it in (built from notebooks/ and solutions/): solved,
   untouched, wrong answers, and two that tamper (``check`` redefined and stored outputs
   edited; ``course`` patched and the check cells deleted);
-* small notebooks with 01's answers, graded with a 3 s cell limit: one that hangs (interrupted,
+* small notebooks with 01's answers, graded with a 3 s cell limit, two at a time: one that hangs (interrupted,
   the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
   whose answer attacks the checker when the check calls it.
 
@@ -63,9 +63,12 @@ def student_01(answers=None, before=None, drop=(), outputs=None):
     return nb
 
 
-def small(*sources):
+def small(*sources, ids=()):
+    """A notebook of these code cells; ``ids`` gives the first ones notebook 01's cell ids."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    for cell, id in zip(nb.cells, ids):
+        cell.id = id
     return nb
 
 
@@ -159,7 +162,7 @@ def graded_small(tmp_path_factory):
         "attacks": write(folder, "attacks", small(attack, FULL_BATCH)),
     }
     limits = grading.Limits(cell=3, notebook=60, check=60, interrupt=3)
-    return paths, grading.grade_notebooks([(s, p) for s, p in paths.items()], limits, log=lambda s: None)
+    return paths, grading.grade_notebooks([(s, p) for s, p in paths.items()], limits, log=lambda s: None, jobs=2)
 
 
 @pytest.mark.slow
@@ -197,6 +200,17 @@ def test_the_courses_own_function_is_no_answer(graded_01):
     borrows = verdicts_of(graded_01, "borrows")
     assert borrows["weight_grad"] == ("error", "the answer is the course's own course.checks.nb01._autograd_weight_grad, "
                                                "not one written in the notebook")
+
+
+@pytest.mark.slow
+def test_exercises_past_the_notebooks_limit_are_not_reached(tmp_path):
+    nb = small(RIGHT_WEIGHT_GRAD, "import time\ntime.sleep(600)", FULL_BATCH, ids=["c06"])
+    path = write(tmp_path, "slow", nb)
+    limits = grading.Limits(cell=60, notebook=4, check=60, interrupt=3)
+    verdicts = {v.exercise: (v.verdict, v.feedback) for v in grading.grade_notebooks([("slow", path)], limits, log=lambda s: None)}
+    assert verdicts["weight_grad"][0] == "correct"  # taken after its cell, c06
+    reason = "not reached: the notebook ran past its 4 s limit at cell 2 (`import time`)"
+    assert verdicts["chunk_mean_grad"] == verdicts["chunk_loss"] == ("error", reason)
 
 
 @pytest.mark.slow
@@ -251,8 +265,9 @@ def test_answers_are_taken_after_the_exercise_not_at_the_end():
     assert "def zero1_step(" in nb.cells[at].source
 
 
-def test_only_check_calls_are_skipped():
-    assert grading.only_checks("check.weight_grad(weight_grad)\ncheck.weight_grad.hint()")
-    assert not grading.only_checks("from course.checks import nb01 as check\ncheck.weight_grad(weight_grad)")
-    assert not grading.only_checks("x = check.weight_grad(weight_grad)")
-    assert not grading.only_checks("%time check.x(y)") and not grading.only_checks("")
+def test_calls_on_check_are_left_out():
+    assert grading.without_checks("check.weight_grad(weight_grad)\ncheck.weight_grad.hint()") == ""
+    assert grading.without_checks("from course.checks import nb01 as check\n\ncheck.weight_grad(\n    weight_grad)\nx = 1") == \
+        "from course.checks import nb01 as check\n\nx = 1"
+    for kept in ("x = check.weight_grad(weight_grad)", "print(check.exercise_model())", "x = 1; check.w(x)", "%time check.x(y)"):
+        assert grading.without_checks(kept) == kept
