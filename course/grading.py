@@ -564,7 +564,7 @@ def _table(rows) -> str:
 def summary(verdicts) -> str:
     """How many students solved each exercise, and how the others did."""
     rows = [("notebook", "exercise", "solved", "wrong", "not attempted", "error")]
-    exercises = dict.fromkeys((v.notebook, v.title) for v in verdicts if v.exercise)
+    exercises = sorted(dict.fromkeys((v.notebook, v.title) for v in verdicts if v.exercise), key=lambda e: e[0])
     for notebook, title in exercises:
         these = [v.verdict for v in verdicts if (v.notebook, v.title) == (notebook, title)]
         rows.append((notebook, title, f"{these.count('correct')}/{len(these)}", these.count("wrong"),

@@ -10,7 +10,7 @@ Two groups, each graded by one call (one judge, one kernel per notebook):
   the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
   whose answer attacks the checker when the check calls it.
 
-Marked slow (about a minute of kernels and time limits on 2 cores): ``pytest`` leaves them
+Marked slow (1-4 minutes of kernels and time limits on 2 cores): ``pytest`` leaves them
 out, ``.ci/run`` runs them after it; run them with ``pytest -m slow tests/test_grading.py``.
 The fast tests at the end run in ``pytest``.
 """
