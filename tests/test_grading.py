@@ -16,6 +16,7 @@ The fast tests at the end run in ``pytest``.
 """
 
 import csv
+import sys
 
 import nbformat
 import pytest
@@ -187,6 +188,7 @@ def test_a_notebook_that_hangs_or_dies_costs_only_its_own_exercises(graded_small
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the judge forks a child per exercise on Linux only")
 def test_an_answer_that_attacks_the_checker_forges_only_its_own_verdict(graded_small):
     """The README's limit: an answer is code the check runs. Its patch (torch.allclose always
     True) dies with the child that judged it: the next exercise is judged by a clean one."""
