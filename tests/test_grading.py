@@ -273,3 +273,13 @@ def test_calls_on_check_are_left_out():
         "from course.checks import nb01 as check\n\nx = 1"
     for kept in ("x = check.weight_grad(weight_grad)", "print(check.exercise_model())", "x = 1; check.w(x)", "%time check.x(y)"):
         assert grading.without_checks(kept) == kept
+
+
+def test_a_check_call_must_pass_its_answers_by_name():
+    from course.notebooks import exercise_answers
+
+    nb = small("check.weight_grad(weight_grad)", "check.chunk_loss(lambda *a: 0)")
+    with pytest.raises(ValueError, match="pass the answers by name only"):
+        exercise_answers(nb)
+    nb.cells.pop()
+    assert exercise_answers(nb) == [{"check": "weight_grad", "answers": ["weight_grad"], "check_cell": nb.cells[0].id, "answer_cells": []}]
