@@ -584,6 +584,11 @@ def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1) -> int
     submissions = find_submissions(paths)
     if not submissions:
         raise SystemExit("no notebooks found in " + " ".join(map(str, paths)))
+    if csv_path:
+        try:  # now, not after hours of grading
+            write_csv([], csv_path)
+        except OSError as e:
+            raise SystemExit(f"--csv {csv_path}: cannot write it ({e.strerror})")
     verdicts = grade_notebooks(submissions, limits, log=lambda s: print(s, file=sys.stderr, flush=True), jobs=jobs)
     if csv_path:
         write_csv(verdicts, csv_path)

@@ -283,3 +283,9 @@ def test_a_check_call_must_pass_its_answers_by_name():
         exercise_answers(nb)
     nb.cells.pop()
     assert exercise_answers(nb) == [{"check": "weight_grad", "answers": ["weight_grad"], "check_cell": nb.cells[0].id, "answer_cells": []}]
+
+
+def test_an_unwritable_csv_is_refused_before_grading(tmp_path):
+    path = write(tmp_path, "me", small("x = 1"))
+    with pytest.raises(SystemExit, match="cannot write it"):
+        main(["grade", str(path), "--csv", str(tmp_path / "no" / "such" / "folder.csv")])
