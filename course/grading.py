@@ -171,8 +171,8 @@ def without_checks(source: str) -> str:
     return "".join(line for i, line in enumerate(source.splitlines(keepends=True)) if i not in drop)
 
 
-def _describe(index, cell) -> str:
-    first = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+def _describe(index, source: str) -> str:
+    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
     return f"cell {index + 1} (`{first[:40]}{'…' if len(first) > 40 else ''}`)"
 
 
@@ -188,6 +188,10 @@ def extraction_points(nb, exercises: list) -> dict:
         at = ids.get(exercise["check_cell"], max(answer_cells, default=None))
         points.setdefault(at, []).append(exercise)
     return points
+
+
+class _Lost(Exception):
+    """Every exercise of the notebook is lost; the message says why."""
 
 
 def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str | None, str | None]:
@@ -224,61 +228,66 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
             nb.cells.append(nbformat.v4.new_code_cell(source))
             run(nb.cells[-1], len(nb.cells) - 1, limit)
 
+        def run_students(index, cell, left) -> bool:
+            """One of the notebook's cells, without its calls on ``check``; False if it
+            ran into the notebook's limit."""
+            source, cell.source = cell.source, without_checks(cell.source)
+            try:
+                if cell.source.strip():
+                    run(cell, index, min(limits.cell, left))
+            except CellTimeoutError:
+                run_sync(client.km.interrupt_kernel)()
+                try:
+                    run_own("pass", limits.interrupt)
+                except CellTimeoutError:
+                    raise _Lost(f"{_describe(index, source)} ran past its time limit and did not stop when interrupted") from None
+                if left < limits.cell:
+                    return False
+                notes.append(f"{_describe(index, source)} ran past its {limits.cell:g} s limit and was interrupted")
+                return True
+            finally:
+                cell.source = source
+            errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+            if errors:
+                notes.append(f"{_describe(index, source)} raised {errors[0].ename}: {errors[0].evalue}")
+            return True
+
         def take(due, where):
             out = Path(tmp) / f"answers-{token}-{len(taken)}.json"
             names = [[x["check"], x["answers"]] for x in due]
             try:
                 run_own(f"{_EXTRACT}_course_grade_extract({names!r}, {str(out)!r})\ndel _course_grade_extract\n", limits.cell)
             except CellTimeoutError:
-                return "taking the answers out of the kernel ran past its time limit"
+                raise _Lost("taking the answers out of the kernel ran past its time limit") from None
             found = _read_taken(out, [x["check"] for x in due])
             if isinstance(found, str):
-                return found
+                raise _Lost(found)
             taken.update((check, {**entry, "where": where} if "missing" in entry else entry) for check, entry in found.items())
 
-        cells = list(enumerate(nb.cells))
         index = None
         try:
             with client.setup_kernel(env={**os.environ, proctree.MARK: token},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
                 deadline = time.monotonic() + limits.notebook
-                for index, cell in cells:
+                for index, cell in enumerate(list(nb.cells)):
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if left <= 0 or (cell.cell_type == "code" and not run_students(index, cell, left)):
                         break
-                    if cell.cell_type == "code":
-                        cell.source = without_checks(cell.source)
-                    if cell.cell_type == "code" and cell.source.strip():
-                        try:
-                            run(cell, index, min(limits.cell, left))
-                        except CellTimeoutError:
-                            run_sync(client.km.interrupt_kernel)()
-                            try:
-                                run_own("pass", limits.interrupt)
-                            except CellTimeoutError:
-                                return {}, f"{_describe(index, cell)} ran past its time limit and did not stop when interrupted", None
-                            if left < limits.cell:
-                                break  # the notebook's limit
-                            notes.append(f"{_describe(index, cell)} ran past its {limits.cell:g} s limit and was interrupted")
-                        else:
-                            errors = [o for o in cell.outputs if o.output_type == "error"]
-                            if errors:
-                                notes.append(f"{_describe(index, cell)} raised {errors[0].ename}: {errors[0].evalue}")
                     if index in points:
-                        lost = take(points.pop(index), f"after {_describe(index, cell)}, the exercise's")
-                        if lost:
-                            return {}, lost, None
+                        take(points.pop(index), f"after {_describe(index, cell.source)}")
                 else:
                     if None in points:
-                        lost = take(points.pop(None), "when the notebook ended")
-                        if lost:
-                            return {}, lost, None
+                        take(points.pop(None), "when the notebook ended")
                 for due in points.values():  # not reached
-                    stopped = f"not reached: the notebook ran past its {limits.notebook:g} s limit at {_describe(index, nb.cells[index])}"
+                    stopped = f"not reached: the notebook ran past its {limits.notebook:g} s limit at {_describe(index, nb.cells[index].source)}"
                     taken.update((x["check"], {"error": stopped}) for x in due)
+        except _Lost as e:
+            return {}, str(e), None
         except DeadKernelError:
-            where = _describe(index, nb.cells[index]) if index is not None else "start-up"
+            where = _describe(index, nb.cells[index].source) if index is not None else "start-up"
             return {}, f"the kernel died while running {where} (it crashed, exited or ran out of memory)", None
+        except Exception as e:  # the kernel would not start, ...: this notebook's exercises only
+            return {}, f"grading this notebook failed: {type(e).__name__}: {e}", None
         finally:
             for process in proctree.marked(token).values():  # whatever the notebook started and left running
                 try:
