@@ -11,6 +11,10 @@ nbval runs every notebook it collects, one pytest item per code cell.
 * Likewise a test marked ``repeats_solution_notebook`` (parametrized by a solution notebook's
   ``path``) is skipped when that notebook runs in the same session: it calls the notebook's
   checks on the notebook's answers, which the notebook does itself (nbval compares the ✅).
+* nbval compares a cell's text/plain outputs, not their text/markdown twins: a check's verdict,
+  ``hint()`` and ``solution()`` show as Markdown in Jupyter (``course.exercises``) and as the same
+  text in text/plain, which is compared (tests/test_feedback.py asserts the two say the same). So
+  stored outputs made before or after the Markdown form existed compare equal.
 * A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
   with the CPU; tests/nbval_sanitize.cfg makes nbval compare it as ``~N``.
 * With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
@@ -37,7 +41,14 @@ def pytest_configure(config):
         config.option.nbval_sanitize_with = str(ROOT / "tests" / "nbval_sanitize.cfg")
 
 
+RICH_TWINS = ("text/markdown",)  # shown in Jupyter; their text/plain twin is what nbval compares
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        notebook = getattr(item, "parent", None)
+        if _is_notebook_cell(item) and not set(RICH_TWINS) <= set(getattr(notebook, "skip_compare", RICH_TWINS)):
+            notebook.skip_compare = tuple(notebook.skip_compare) + RICH_TWINS
     solutions_here = {Path(str(i.path)).name for i in items if _is_notebook_cell(i) and SOLUTION_DIR in Path(str(i.path)).parents}
     to_run = {}
     for item in items:
