@@ -214,9 +214,11 @@ class LaunchInterrupted(KeyboardInterrupt):
     (IPython shows what ``_render_traceback_`` returns); ``ranks`` lists those that still ran."""
 
     def __init__(self, world_size, ranks, seconds):
-        running = f"rank(s) {', '.join(map(str, ranks))} of {world_size}" if ranks else f"all {world_size} ranks"
-        super().__init__(f"interrupted after {seconds:.1f} s: course.launch stopped {running}"
-                         f"{' (the others had finished)' if ranks and len(ranks) < world_size else ''}.")
+        if len(ranks) in (0, world_size):
+            running = f"all {world_size} ranks"
+        else:
+            running = f"rank(s) {', '.join(map(str, ranks))} of {world_size} (the others had finished)"
+        super().__init__(f"interrupted after {seconds:.1f} s: course.launch stopped {running}.")
         self.ranks, self.seconds = ranks, seconds
 
     def _render_traceback_(self):

@@ -59,9 +59,10 @@ class LiveOutput:
             return
         for rank in self.ranks:
             self._read(rank)
-        text = "\n".join(self.lines)
+        lines = list(self.lines)
         if running and elapsed >= STATUS_AFTER:
-            text += f"\n… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}"
+            lines.append(f"… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}")
+        text = "\n".join(lines)
         if text.strip() and text != self.shown:
             self.handle.update({"text/plain": text}, raw=True)
             self.shown = text
