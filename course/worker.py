@@ -367,7 +367,7 @@ def collect(reports: dict, world_size: int, missing: str = "") -> list:
         if where:
             message += f"\n(in {where})"
         if cause.last_lines:
-            message += f"\nIts last lines:\n" + "\n".join("  " + line for line in cause.last_lines.splitlines())
+            message += "\nIts last lines:\n" + "\n".join("  " + line for line in cause.last_lines.splitlines())
         if cause.hint:
             message += f"\n{cause.hint}"
         others = [r for r in sorted(errors) if r != first]

@@ -15,6 +15,7 @@ torch, the check launches real ranks), so ``pytest`` alone leaves it out (confte
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -140,7 +141,7 @@ def _run(page, index):
 
 def _finished(cell):
     """Wait until the cell has run: its prompt holds a number, not '*' or nothing."""
-    cell.locator(".jp-InputPrompt").filter(has_text=__import__("re").compile(r"\[\d+\]")).wait_for(timeout=WAIT_MS)
+    cell.locator(".jp-InputPrompt").filter(has_text=re.compile(r"\[\d+\]")).wait_for(timeout=WAIT_MS)
 
 
 def test_a_student_session_in_jupyterlab(lab, tmp_path):

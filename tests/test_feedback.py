@@ -138,3 +138,16 @@ def test_a_rank_killed_by_a_signal_shows_what_it_printed_last():
 def test_wrong_and_correct_unchanged():
     assert repr(wrong("x")) == "❌ : not yet. Hint: x"
     assert repr(correct()) == "✅ : correct!"
+
+
+def test_worker_error_carries_the_whole_reason_and_the_callers_line():
+    from course.worker import WorkerError
+
+    with pytest.raises(WorkerError) as caught:
+        launch(_passes_a_list, 2, show=None, timeout=30)
+    e = caught.value
+    assert e.rank == 1 and e.failed[1].startswith("TypeError: Invalid function argument")  # one line, as before
+    assert e.reason.startswith(e.failed[1]) and "but got <class 'list'>" in e.reason and "\n" in e.reason
+    line = _passes_a_list.__code__.co_firstlineno + 3
+    assert e.where == f"{__file__}, line {line}, in _passes_a_list" and f"(in {e.where})" in str(e)
+    assert e.last_lines == ""  # it raised: no need for its last lines
