@@ -151,3 +151,21 @@ def test_worker_error_carries_the_whole_reason_and_the_callers_line():
     line = _passes_a_list.__code__.co_firstlineno + 3
     assert e.where == f"{__file__}, line {line}, in _passes_a_list" and f"(in {e.where})" in str(e)
     assert e.last_lines == ""  # it raised: no need for its last lines
+
+
+def _hangs(rank, world_size):
+    import time
+
+    time.sleep(60)
+
+
+@exercise("Exercise 8 (hang)", hint="-")
+def _hang_demo(fn):
+    launch(fn, 2, show=None, timeout=2)
+    return correct()
+
+
+def test_a_hang_the_check_did_not_expect_is_a_wrong_answer_showing_where_ranks_were():
+    feedback = _hang_demo(_hangs)
+    assert feedback.status == "wrong" and "did not finish within timeout=2 s" in feedback.message
+    assert "in _hangs" in feedback.details and "rank 0:" in feedback.details and "rank 1:" in feedback.details
