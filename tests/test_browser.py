@@ -98,7 +98,7 @@ def lab(tmp_path):
     env.pop("PYTEST_CURRENT_TEST", None)  # a kernel started under pytest would not capture fd output
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
-         f"--IdentityProvider.token={token}", "--LabApp.news_url=None", "--LabApp.check_for_updates_class="
+         f"--IdentityProvider.token={token}", "--LabApp.news_url=None", "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class="
          "jupyterlab.NeverCheckForUpdate", f"--ServerApp.root_dir={served}"] + (["--allow-root"] if os.geteuid() == 0 else []),
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,  # a file: a full pipe would block it
     )
@@ -130,13 +130,29 @@ def _cell(page, index):
     return page.locator(".jp-Notebook .jp-Cell").nth(index)
 
 
+KERNEL_READY = """() => {
+    const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
+    return !!(kernel && panel.sessionContext.isReady && kernel.connectionStatus === "connected" && kernel.status === "idle");
+}"""
+
+
 def _run(page, index):
-    """Select cell ``index`` and run it (Shift+Enter), as a student does."""
+    """Select cell ``index`` and run it (Shift+Enter), as a student does. Once the cell has been
+    sent its prompt says [*] (or already a number); a run pressed while JupyterLab was still
+    setting up its kernel connection is dropped, leaving "[ ]" (seen once here): pressed again."""
     cell = _cell(page, index)
-    cell.scroll_into_view_if_needed()
-    cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
-    return cell
+    for _ in range(3):
+        page.wait_for_function(KERNEL_READY, timeout=WAIT_MS)
+        cell.scroll_into_view_if_needed()
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            cell.locator(".jp-InputPrompt").filter(has_text=re.compile(r"\[(\*|\d+)\]")).wait_for(timeout=10_000)
+            return cell
+        except playwright.TimeoutError:
+            continue
+    raise AssertionError(f"cell {index} did not start running")
 
 
 def _finished(cell):
@@ -159,7 +175,7 @@ def test_a_student_session_in_jupyterlab(lab, tmp_path):
 
 def _session(page, url, go):
     page.goto(url)
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=WAIT_MS)
+    page.wait_for_function(KERNEL_READY, timeout=WAIT_MS)
     page.wait_for_timeout(2000)  # JupyterLab writes the kernel's metadata once it is connected
     tabs = page.locator("#jp-main-dock-panel .lm-TabBar-tab")
     assert tabs.count() == 1 and "jp-mod-dirty" not in tabs.first.get_attribute("class"), "the notebook opened as modified"
