@@ -43,6 +43,8 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   :class:`WorkerError` names the rank and shows its traceback. If ranks are still
   running after ``timeout`` seconds (a missing collective, a deadlock), their Python
   stacks are dumped, every rank is killed and :class:`WorkerTimeoutError` names them.
+  An interrupt (Kernel > Interrupt) kills every rank, replays their output once and raises
+  :class:`LaunchInterrupted`, which Jupyter shows as one line, not a traceback through here.
 * **The end.** A rank that has returned waits: one that left early would make its peers
   fail with "connection closed" instead of showing who really hung. Once every rank has
   reported, the parent kills them all at once (their process groups die with them:
