@@ -99,7 +99,8 @@ class Text(str):
 
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 EMPHASIS = re.compile(r"\*(\S(?:[^*]*\S)?)\*")
-SPECIAL = re.compile(r"([\\`*_\[\]<>&#+\-!|~$])")
+SPECIAL = re.compile(r"([\\`*_\[\]<>&|~$])")  # markup anywhere in a line
+LINE_START = re.compile(r"^(\s*)([-+#>=]|\d+[.)])", re.M)  # markup at the start of a line: lists, headings, quotes
 
 
 def _escape(text: str) -> str:
@@ -123,7 +124,7 @@ def markdown(text: str) -> str:
         elif i % 3 == 0:
             for j, span in enumerate(EMPHASIS.split(piece)):  # text, emphasised, text, ...
                 parts.append(f"*{_escape(span)}*" if j % 2 else _escape(span))
-    out = re.sub(r"^(\s*\d+)([.)])", r"\1\\\2", "".join(parts), flags=re.M)  # "1. " would start a list
+    out = LINE_START.sub(lambda m: m.group(1) + m.group(2)[:-1] + "\\" + m.group(2)[-1], "".join(parts))
     return out.replace("\n", "  \n")
 
 

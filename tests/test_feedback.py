@@ -169,3 +169,9 @@ def test_a_hang_the_check_did_not_expect_is_a_wrong_answer_showing_where_ranks_w
     feedback = _hang_demo(_hangs)
     assert feedback.status == "wrong" and "did not finish within timeout=2 s" in feedback.message
     assert "in _hangs" in feedback.details and "rank 0:" in feedback.details and "rank 1:" in feedback.details
+
+
+def test_markdown_escapes_only_what_would_be_markup():
+    assert markdown("ring all-reduce, 2(N-1)/N, a+b, #3") == "ring all-reduce, 2(N-1)/N, a+b, #3"  # readable source
+    for line_start in ("- x", "+ x", "# x", "> x", "===", "12) x", "3. x"):
+        assert "<p>" in mistune.html(markdown(f"text\n{line_start}")) and _shown(markdown(f"text\n{line_start}")) == f"text {line_start}"

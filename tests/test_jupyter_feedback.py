@@ -130,7 +130,7 @@ def test_a_failing_rank_in_a_check_names_the_cell_line_and_renders_as_markdown(k
     assert plain.startswith("❌ Exercise 2 (ring all-reduce): not yet: a rank failed: TypeError: Invalid function argument.")
     assert "but got <class 'list'> instead." in plain
     assert re.search(rf"\(rank [01], in your code at Cell In\[{count}\], line 4, in ring\)", plain), plain
-    assert rich.startswith("❌ **Exercise 2 (ring all\\-reduce)**:") and "\\<class 'list'\\>" in rich and "`tensor`" in rich
+    assert rich.startswith("❌ **Exercise 2 (ring all-reduce)**:") and "\\<class 'list'\\>" in rich and "`tensor`" in rich
 
 
 def test_nbval_compares_a_verdicts_plain_text_not_its_markdown(tmp_path):
