@@ -100,6 +100,19 @@ def set_header(nb, folder: str, name: str):
     return nb
 
 
+# What JupyterLab writes into a notebook's metadata when it starts the kernel (ipykernel >= 6
+# names its kernel "Python 3 (ipykernel)"): stored the same, a notebook opens unmodified. The
+# language_info beside it is the kernel's (nbclient stores it when the build executes), so it
+# matches wherever the Python version is the build's.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def set_metadata(nb):
+    """The kernelspec JupyterLab would write (see KERNELSPEC)."""
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    return nb
+
+
 def make_student(solution_nb, name: str):
     nb = nbformat.from_dict(solution_nb)  # a deep copy
     nb.cells = [c for c in nb.cells if "solution" not in c.get("metadata", {}).get("tags", [])]
@@ -378,7 +391,7 @@ def build(names=(), run: bool = True):
     """Execute the solutions (if ``run``) and regenerate the student notebooks."""
     STUDENT.mkdir(exist_ok=True)
     for path in solution_paths(names):
-        nb = set_header(nbformat.read(path, as_version=4), "solutions", path.name)
+        nb = set_metadata(set_header(nbformat.read(path, as_version=4), "solutions", path.name))
         if run:
             print(f"executing {path.relative_to(ROOT)} ...", flush=True)
             execute(nb, path.parent)

@@ -105,8 +105,10 @@ def test_exercise_wrapper_names_feedback_and_handles_stubs_and_failed_ranks():
     assert demo(2).status == "wrong" and demo(2).exercise == "Exercise 9 (demo)"
     assert demo(...).status == "todo" and demo(None).status == "todo"
     failed = demo("launch")
-    assert failed.status == "wrong" and "a rank failed" in failed.message and "boom" in failed.message
+    assert failed.status == "wrong" and "a rank failed: ValueError: boom on" in failed.message
+    assert "(rank 0, in your code at" in failed.message or "(rank 1, in your code at" in failed.message
     assert demo.hint() == "💡 Exercise 9 (demo): think about it."
+    assert demo.hint()._repr_markdown_() == "💡 **Exercise 9 (demo)**: think about it."
     assert "no stored solution" in demo.solution()
 
     @exercise("Exercise 10 (broken check)", hint="-")

@@ -24,6 +24,16 @@ from course.checks import nb10
 def test_predicted_bytes_rejects_wrong_answers(naive, ring, hint):
     feedback = nb10.predicted_bytes(naive, ring)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+    if naive == 3_000_000:  # the feedback says which of the two numbers is right
+        assert "first number (naive, rank 0) is right" in feedback.message, feedback
+    elif ring == 1_500_000 and isinstance(naive, int):
+        assert "second (ring, every rank) is right" in feedback.message, feedback
+
+
+def test_predicted_bytes_addresses_both_numbers_when_both_are_wrong():
+    feedback = nb10.predicted_bytes(1_000_000, 750_000)
+    assert feedback.status == "wrong"
+    assert "to *each* of the other 3 ranks" in feedback.message and "only the reduce-scatter" in feedback.message
 
 
 # ------------------------------------------------------------------ plausible wrong ring all-reduces

@@ -34,24 +34,36 @@ def predicted_bytes(naive_rank0, ring_per_rank):
     naive, ring = measured[0][0], measured[0][1]
     size = 4 * PREDICT_NUMEL
     assert all(r[1] == ring for r in measured)
-    if naive_rank0 != naive:
-        if naive_rank0 == size:
-            return wrong("rank 0 sends the sum back to *each* of the other 3 ranks, not once.")
-        if naive_rank0 == 2 * naive:
-            return wrong("count only what rank 0 sends: what it receives is what the others send.")
-        return wrong("in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them.")
-    if ring_per_rank == ring:
+    if naive_rank0 == naive and ring_per_rank == ring:
         return correct(
             f"measured: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
             f"2(N-1)/N = {ring / size} times the tensor."
         )
-    if ring_per_rank == ring / 2:
-        return wrong("that is only the reduce-scatter: the finished chunks still have to go around once more (all-gather).")
-    if ring_per_rank == 2 * (PREDICT_RANKS - 1) * size:
-        return wrong("in the ring a rank never sends the whole tensor: each step it sends one chunk, a quarter of it.")
-    if ring_per_rank == 2 * size:
-        return wrong("close: count the steps. Each phase takes N - 1 steps, not N.")
-    return wrong("the ring has 2(N - 1) steps, and at each step every rank sends one chunk, 1/N of the tensor.")
+    # Say something about each of the two numbers: a student who got one right must know which.
+    return wrong(f"your first number (naive, rank 0) {_naive_hint(naive_rank0, naive, size)}; "
+                 f"your second (ring, every rank) {_ring_hint(ring_per_rank, ring, size)}")
+
+
+def _naive_hint(answer, naive, size):
+    if answer == naive:
+        return "is right"
+    if answer == size:
+        return "is not: rank 0 sends the sum back to *each* of the other 3 ranks, not once"
+    if answer == 2 * naive:
+        return "is not: count only what rank 0 sends; what it receives is what the others send"
+    return "is not: in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them"
+
+
+def _ring_hint(answer, ring, size):
+    if answer == ring:
+        return "is right."
+    if answer == ring / 2:
+        return "is not: that is only the reduce-scatter; the finished chunks still have to go around once more (all-gather)."
+    if answer == 2 * (PREDICT_RANKS - 1) * size:
+        return "is not: in the ring a rank never sends the whole tensor; each step it sends one chunk, a quarter of it."
+    if answer == 2 * size:
+        return "is close: count the steps. Each phase takes N - 1 steps, not N."
+    return "is not: the ring has 2(N - 1) steps, and at each step every rank sends one chunk, 1/N of the tensor."
 
 
 # ------------------------------------------------------------------ Exercise 2: the ring all-reduce
