@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from course import context_parallel as cp
 from course.exercises import correct, exercise, replaced, wrong
-from course.launcher import WorkerTimeoutError, launch
+from course.launcher import WorkerError, WorkerTimeoutError, launch
 
 DIM = 8
 TIMEOUT = 30  # seconds; a ring whose sends and receives do not match hangs until then
@@ -49,7 +49,10 @@ def merge(fn):
     for name, scale, causal in cases:
         (out, lse), (out1, lse1), (out2, lse2) = _partials(seed, scale, causal)
         for args, order in (((out1, lse1, out2, lse2), ""), ((out2, lse2, out1, lse1), " (partials given in the other order)")):
-            result = _as_pair(fn(*(t.clone() for t in args)))
+            try:
+                result = _as_pair(fn(*(t.clone() for t in args)))
+            except Exception as e:  # noqa: BLE001 - reported as the feedback
+                return wrong(f"with {name}{order} your merge raised {type(e).__name__}: {e}")
             if result is None:
                 return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
             got_out, got_lse = result
@@ -86,8 +89,8 @@ RING_CASES = [
 ]
 LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
-               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
-               "send", "recv", "batch_isend_irecv")
+               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
+BLOCKING = ("send", "recv", "batch_isend_irecv")
 
 
 class _Watch(TorchDispatchMode):
@@ -147,16 +150,13 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
         return call
 
     patches = [("isend", watched("isend", dist.isend)), ("irecv", watched("irecv", dist.irecv))]
-    patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES if hasattr(dist, name)]
+    patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
     watch = _Watch(log)
-    try:
-        with contextlib.ExitStack() as stack:
-            for name, replacement in patches:
-                stack.enter_context(replaced(dist, name, replacement, forward))
-            with watch:
-                result = forward(*(t[..., mine, :].clone() for t in (q, k, v)), layout, causal)
-    except Exception as e:  # noqa: BLE001 - reported as the feedback
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "used": used}
+    with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
+        for name, replacement in patches:
+            stack.enter_context(replaced(dist, name, replacement, forward))
+        with watch:
+            result = forward(*(t[..., mine, :].clone() for t in (q, k, v)), layout, causal)
     result = _as_pair(result)
     report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log,
               "largest_chunk": max(len(p) for p in layout)}
@@ -188,12 +188,13 @@ def _overlapped(log):
 def _judge_ring(results, world_size, seq_len, causal, layout_name):
     case = f"{world_size} ranks, {seq_len} tokens, causal={causal}, {layout_name} layout"
     for rank, r in enumerate(results):
+        if any(name in BLOCKING for name in r.get("used", [])):
+            return wrong(f"rank {rank} called dist.{r['used'][0]}: use start_pass (dist.isend / dist.irecv), which "
+                         "returns at once, so that the next chunk travels while attend computes on this one.")
         if r.get("used"):
             return wrong(f"rank {rank} called dist.{r['used'][0]}: with a collective every rank ends up holding "
                          "all of K and V (section 6's all-gather variant). Pass one chunk at a time to the next "
                          "rank with dist.isend / dist.irecv.")
-        if "error" in r:
-            return wrong(f"with {case}, rank {rank} failed: {r['error']}")
         if r.get("bad_result"):
             return wrong("return a pair (out, lse): this rank's attention output and its log-sum-exp.")
     for rank, r in enumerate(results):
@@ -238,6 +239,11 @@ def ring_forward(forward):
         except WorkerTimeoutError:
             return wrong(f"with {world_size} ranks the ranks waited for each other until the timeout: every isend "
                          "to rank r+1 needs an irecv on rank r+1 from rank r (the check also runs 3 and 4 ranks).")
+        except WorkerError as e:
+            reason = e.failed.get(e.rank, str(e))
+            advice = (" The check runs 2, 3 and 4 ranks: compute the neighbours from the rank and the world size."
+                      if "signal" in reason else "")
+            return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}, rank {e.rank} failed: {reason}.{advice}")
         feedback = _judge_ring(results, world_size, seq_len, causal, layout_name)
         if feedback is not None:
             return feedback
@@ -270,12 +276,15 @@ def _runs(positions):
 def zigzag_layout(fn):
     """Exercise 3: a layout (two slices per rank) that balances causal attention's work."""
     for world_size, seq_len in LAYOUT_CASES:
-        layout = fn(seq_len, world_size)
+        case = f"{seq_len} tokens on {world_size} ranks"
+        try:
+            layout = fn(seq_len, world_size)
+        except Exception as e:  # noqa: BLE001 - reported as the feedback
+            return wrong(f"with {case} your function raised {type(e).__name__}: {e}")
         try:
             layout = [torch.as_tensor(p, dtype=torch.long).flatten() for p in layout]
         except (TypeError, ValueError):
             return wrong("return a list with one 1-D tensor of token positions per rank.")
-        case = f"{seq_len} tokens on {world_size} ranks"
         if len(layout) != world_size:
             return wrong(f"with {case} the layout has {len(layout)} entries: one per rank (the check also runs "
                          "3 and 4 ranks).")
