@@ -152,11 +152,12 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
     patches = [("isend", watched("isend", dist.isend)), ("irecv", watched("irecv", dist.irecv))]
     patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
     watch = _Watch(log)
+    local = [t[..., mine, :].clone() for t in (q, k, v)]
     with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
         for name, replacement in patches:
             stack.enter_context(replaced(dist, name, replacement, forward))
         with watch:
-            result = forward(*(t[..., mine, :].clone() for t in (q, k, v)), layout, causal)
+            result = forward(*local, layout, causal)
     result = _as_pair(result)
     report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log,
               "largest_chunk": max(len(p) for p in layout)}
