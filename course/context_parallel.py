@@ -15,8 +15,8 @@ their owner after N passes. Nothing of size sequence × sequence is ever stored.
 
 Shapes: q, k, v are (..., tokens, dim) (leading dims such as batch and heads are carried
 along). Layouts: :func:`contiguous_layout` (rank r: the r-th slice; with a causal mask the
-last rank does most of the work) and :func:`zigzag_layout` (rank r: slices r and 2N-1-r of
-2N, which balances it). Notebook 14 derives this code; a test asserts that its cells and
+last rank does most of the work) and :func:`zigzag_layout` (two slices per rank, an early and
+a late one, which balances it). Notebook 14 derives this code; a test asserts that its cells and
 this file hold the same code.
 """
 
@@ -32,8 +32,8 @@ def contiguous_layout(seq_len, world_size):
 
 
 def zigzag_layout(seq_len, world_size):
-    """Rank r holds slices r and 2N-1-r of 2N: one early, one late, so that under a causal
-    mask every rank has as many (query, key) pairs to compute."""
+    """Two of 2N equal slices per rank, an early one and a late one, paired so that under a
+    causal mask every rank has as many (query, key) pairs to compute."""
     slices = torch.arange(seq_len).tensor_split(2 * world_size)
     return [torch.cat([slices[r], slices[2 * world_size - 1 - r]]) for r in range(world_size)]
 
