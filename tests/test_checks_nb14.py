@@ -107,6 +107,22 @@ def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=No
     return ring_forward
 
 
+def _waits_twice(q, k, v, layout, causal=False):  # right, but a second wait() hangs on gloo
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv, out, lse, requests = torch.stack([k, v]), None, None, []
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming, requests = start_pass(kv, (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))
+        o, l = attend(q, kv[0], kv[1], layout[rank], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        if step < n - 1:
+            for request in requests + requests:
+                request.wait()
+            kv = incoming
+    return out, lse
+
+
 def _two_rank_pass(tensor, shape, tag=0):  # the peer is "the other rank": right on 2 ranks only
     incoming = tensor.new_empty(shape)
     other = 1 - dist.get_rank()
@@ -180,6 +196,7 @@ def test_ring_forward_accepts_the_course_ring():
         (_ring(attend_causal=False), "*without* the causal mask"),
         (_ring(key_positions="mine"), "failed: IndexError"),  # positions of another chunk: the wrong length
         (_ring(result="out"), "return a pair"),
+        (_waits_twice, "waited twice for the same request"),
     ],
 )
 def test_ring_forward_rejects_wrong_answers(answer, hint, monkeypatch):
