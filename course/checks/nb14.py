@@ -114,7 +114,7 @@ class _Watch(TorchDispatchMode):
 
 class _Request:
     """An isend/irecv request that logs its wait. A second wait is logged, not passed on: on gloo
-    (torch 2.15) a second ``wait()`` of a finished isend or irecv never returns."""
+    (torch 2.8 and 2.15) a second ``wait()`` of a finished isend or irecv never returns."""
 
     def __init__(self, request, log, key):
         self.request, self.log, self.key, self.waited = request, log, key, False
