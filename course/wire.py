@@ -19,7 +19,10 @@ other processes on the machine does not count. What it counts:
 * payload bytes: TCP/IP headers are not included, but everything this rank wrote on
   its sockets is, the few bytes gloo adds to each message and the TCPStore's messages too
   (one collective of a few MB adds well under 1% of such overhead);
-* only sockets open at the end of the block (a socket closed inside it is lost);
+* only sockets open at the end of the block (a socket closed inside it is lost), and only
+  this process's own: a socket it shares with its parent (a rank forked from a Jupyter
+  kernel inherits the kernel's sockets, on which the kernel keeps sending the cell's output)
+  is the parent's traffic, not the rank's;
 * before reading, it waits (at most 1 s) until every byte written has been sent and
   acknowledged, so the last message of a collective is not missed.
 
@@ -63,24 +66,38 @@ def available() -> bool:
     return sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
 
 
+def _sockets(pid="self") -> dict:
+    """{"socket:[inode]": fd} for the sockets process ``pid`` has open."""
+    found = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # another user's process, or gone
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed since listdir (the listing's own fd, a socket gloo just closed)
+            continue
+        if target.startswith("socket:"):
+            found[target] = int(fd)
+    return found
+
+
 def tcp_counters() -> dict:
     """{socket inode: (bytes sent and acknowledged, bytes received, bytes still in flight)} for
-    every TCP socket this process has open."""
+    every TCP socket this process has open and does not share with its parent."""
     if not available():
         raise WireUnavailable(
             "bytes on the wire are read from Linux's per-socket TCP_INFO counters, which this system "
             f"({sys.platform}) does not offer: run this cell on Linux (Colab works)."
         )
     counters = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed since listdir (the listing's own fd, a socket gloo just closed)
-            continue
-        if not target.startswith("socket:"):
+    inherited = _sockets(os.getppid())
+    for target, fd in _sockets().items():
+        if target in inherited:
             continue
         try:
-            with socket.fromfd(int(fd), socket.AF_INET, socket.SOCK_STREAM) as s:  # a duplicate fd
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:  # a duplicate fd
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         except OSError:  # not a TCP socket (a Unix socket, a pipe to the kernel...)
             continue
@@ -122,8 +139,9 @@ def measure():
 def endpoints() -> dict:
     """{socket: ((local host, port), (remote host, port))} for this process's connected TCP sockets."""
     found = {}
+    fds = _sockets()
     for sock in tcp_counters():
-        fd = _fd_of(sock)
+        fd = fds.get(sock)
         if fd is None:
             continue
         try:
@@ -132,16 +150,6 @@ def endpoints() -> dict:
         except OSError:  # a listening socket has no peer
             continue
     return found
-
-
-def _fd_of(sock):
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") == sock:
-                return int(fd)
-        except OSError:
-            continue
-    return None
 
 
 def sent_per_peer(measurement: Measurement) -> dict:
