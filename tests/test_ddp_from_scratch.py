@@ -1,7 +1,8 @@
 """course.collectives (naive and ring all-reduce, the ring's two halves) equals torch.distributed's
 collectives on uneven sizes and 2-4 ranks and sends the bytes the 2(N-1)/N law says;
 course.data_parallel's three from-scratch DPs give DDP's weights on a model with several buckets,
-with unused parameters handled (find_unused_parameters=True) or rejected with a clear error;
+with unused parameters handled (find_unused_parameters=True) or rejected with a clear error, and are
+drop-ins for DDP (frozen parameters, tied weights, buffers, ranks initialised differently);
 and notebook 10 shows the same code as the package."""
 
 import inspect
@@ -156,14 +157,18 @@ def test_each_from_scratch_dp_gives_ddps_weights(kind, options, all_reduces_per_
     assert not torch.allclose(weights[0], Net().body[0][0].weight)  # training moved the weights
 
 
-def test_bucket_layout_follows_the_cap_in_reverse_order():
+def _layouts(rank, world_size):
     dp = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=0.02)
-    names = {p: n for n, p in Net().named_parameters()}
-    layout = [[dp.names[p] for p in b.params] for b in dp.buckets]
+    one = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=25)
+    return [[dp.names[p] for p in b.params] for b in dp.buckets], len(one.buckets)
+
+
+def test_bucket_layout_follows_the_cap_in_reverse_order():
+    layout, one = launch(_layouts, 1, show=None)[0]  # in a rank: the constructor broadcasts rank 0's model
+    names = [n for n, _ in Net().named_parameters()]
     assert layout[0] == ["head.bias", "head.weight", "body.4.0.bias", "body.4.0.weight", "body.3.0.bias", "body.3.0.weight"]
     assert len(layout) == 3 and sum(len(b) for b in layout) == len(names)
-    one = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=25)
-    assert len(one.buckets) == 1
+    assert one == 1
 
 
 @pytest.mark.parametrize("where", ["everywhere", "rank 0"])
@@ -267,6 +272,8 @@ def _defining_cell(nb, name):
     "obj",
     [
         collectives.naive_all_reduce,
+        data_parallel.replicate,
+        data_parallel.trainable,
         data_parallel.AllReduceAfterBackward,
         data_parallel.OverlapPerParameter,
         data_parallel.Bucket,

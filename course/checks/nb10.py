@@ -46,7 +46,7 @@ def predicted_bytes(naive_rank0, ring_per_rank):
         return wrong("in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them.")
     if ring_per_rank == ring:
         return correct(
-            f"measured: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
+            f"counted: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
             f"2(N-1)/N = {ring / size} times the tensor."
         )
     if ring_per_rank == ring / 2:
