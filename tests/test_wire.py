@@ -70,3 +70,57 @@ def test_other_systems_get_a_clear_error(monkeypatch):
     with pytest.raises(wire.WireUnavailable, match="Linux"):
         with wire.measure():
             pass
+
+
+def _per_peer(rank, world_size):
+    t = torch.ones(N)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    dist.barrier()
+    with wire.measure() as m:
+        dist.all_reduce(t, group=groups[rank // 2])  # each pair all-reduces alone
+        if rank == 0:
+            dist.send(t[:1000], 3)
+        elif rank == 3:
+            dist.recv(t[:1000], 0)
+    return wire.sent_per_peer(m)
+
+
+def test_bytes_are_attributed_to_the_rank_they_went_to():
+    per_peer = launch(_per_peer, 4, show=None)
+    partner = {0: 1, 1: 0, 2: 3, 3: 2}
+    for rank, sent in enumerate(per_peer):
+        assert 4 * N <= sent[partner[rank]] < 4 * N * 1.01  # a 2-rank all-reduce: the tensor, once
+    assert 4000 <= per_peer[0][3] < 4100 and set(per_peer[0]) == {1, 3}
+    assert set(per_peer[1]) == {0} and set(per_peer[2]) == {3}
+
+
+def test_sockets_shared_with_the_parent_are_the_parents():
+    """A rank forked from a Jupyter kernel inherits the kernel's sockets, on which the kernel keeps
+    sending output while the rank runs: that is not the rank's traffic."""
+    import os
+    import socket
+    import time
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    ready_r, ready_w = os.pipe()
+    result_r, result_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure while the parent sends on the shared socket
+        try:
+            with wire.measure() as m:
+                os.write(ready_w, b"go")
+                time.sleep(0.5)
+            os.write(result_w, str(m.sent).encode())
+        finally:
+            os._exit(0)
+    os.read(ready_r, 2)
+    client.sendall(b"x" * 100_000)
+    received = 0
+    while received < 100_000:
+        received += len(peer.recv(1 << 20))
+    os.waitpid(pid, 0)
+    assert int(os.read(result_r, 100)) == 0
+    for s in (client, peer, server):
+        s.close()
