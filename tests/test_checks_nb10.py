@@ -310,7 +310,14 @@ class _WaitsForTheFuturesInFinish(_NoWait):
         self.pending.clear()
 
 
-@pytest.mark.parametrize("answer", [OverlapPerParameter, _WaitsForTheFuturesInFinish])
+class _FutureOfTheWorkInFinish(_NoWait):
+    def finish(self):
+        for work in self.pending:
+            work.get_future().wait()
+        self.pending.clear()
+
+
+@pytest.mark.parametrize("answer", [OverlapPerParameter, _WaitsForTheFuturesInFinish, _FutureOfTheWorkInFinish])
 def test_overlap_per_parameter_accepts_right_answers(answer):
     assert nb10.overlap_per_parameter(answer).status == "correct"
 

@@ -244,6 +244,8 @@ class _Watched:
         # A future of our own, completed when backward has returned: fut.wait() or fut.value() inside a
         # hook would wait for it (found by the timer below); fut.then(...) and torch.futures.wait_all work.
         self.log["waited"] += 1
+        if not self.log["in backward"]:  # in finish(): the real one
+            return self.work.get_future()
         future = torch.futures.Future()
         self.log["futures"].append((self.work, future))
         return future
