@@ -24,12 +24,18 @@ MESSAGE, SEND, RECV = 288, 96, 48  # gloo's header bytes per ring message, per s
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 2), (1, 1, 1)])
-def test_3d_training_equals_one_process(shape):
-    results = launch(parallel3d.train, shape[0] * shape[1] * shape[2], *shape, show=None)
-    assert max(r["diff"] for r in results) < 1e-6
-    for rank, r in enumerate(results):
-        p = parallel3d.coordinates(rank, *shape)[1]
-        assert r["param_bytes"] == 4 * planner.stage_params(TINY, shape[2], shape[1], p)
+def test_3d_training_equals_one_process_and_sends_what_the_laws_and_headers_say(shape):
+    dp, pp, tp = shape
+    m, steps = 2, 2
+    for rank, r in enumerate(launch(parallel3d.train, dp * pp * tp, *shape, show=None)):
+        assert r["diff"] < 1e-6
+        stage = parallel3d.coordinates(rank, *shape)[1]
+        assert r["param_bytes"] == 4 * planner.stage_params(TINY, tp, pp, stage)
+        config = planner.Config(dp=dp, pp=pp, tp=tp, zero=0, micro_batch=parallel3d.BATCH // (dp * m))
+        law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
+        headers = {"tp": 4 * (TINY.layers // pp) * m * 2 * (tp - 1) * MESSAGE,
+                   "pp": m * (SEND + RECV) if pp > 1 else 0, "dp": 2 * (dp - 1) * MESSAGE}
+        assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
 
 
 def test_3d_training_fails_loudly_on_a_wrong_grid():
@@ -44,25 +50,12 @@ def _device_mesh_groups(rank, world_size, shape):
     return {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("dp", "pp", "tp")}
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (3, 1, 2)])
+@pytest.mark.parametrize("shape", [(1, 2, 4), (3, 1, 2)])  # (2, 2, 2): notebook 16
 def test_mesh_groups_are_device_mesh_groups(shape):
     expected = parallel3d.mesh_groups(*shape)
     for rank, mine in enumerate(launch(_device_mesh_groups, shape[0] * shape[1] * shape[2], shape, show=None)):
         for dim, group in mine.items():
             assert group in expected[dim] and rank in group
-
-
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (2, 1, 2)])
-def test_bytes_per_dimension_are_the_laws_plus_headers(shape):
-    dp, pp, tp = shape
-    m, steps = 2, 2
-    for rank, r in enumerate(launch(parallel3d.train, dp * pp * tp, *shape, show=None)):
-        stage = parallel3d.coordinates(rank, *shape)[1]
-        config = planner.Config(dp=dp, pp=pp, tp=tp, zero=0, micro_batch=parallel3d.BATCH // (dp * m))
-        law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
-        headers = {"tp": 4 * (TINY.layers // pp) * m * 2 * (tp - 1) * MESSAGE,
-                   "pp": m * (SEND + RECV) if pp > 1 else 0, "dp": 2 * (dp - 1) * MESSAGE}
-        assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
 
 
 def test_planner_knows_llama3():
