@@ -15,6 +15,8 @@ only the shards::
   module: a layer, a block) gathers its parameters just before its forward, frees them
   after it, gathers them again before its backward, and frees each one as soon as its
   gradient is reduce-scattered (:func:`fully_shard_by_hand`).
+* **Mixed precision** (:func:`compute_in`): the all-gather makes bfloat16 (or float16) copies
+  to compute with; shards, optimizer state and gradient reduction stay float32.
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast
@@ -43,9 +45,10 @@ def shard_parameters(model):
 
 
 def gather_parameter(p, shard):
-    """Make ``p`` whole: all-gather every rank's slice into its memory (given back if freed)."""
-    full = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype)
-    dist.all_gather_into_tensor(full, shard.detach())
+    """Make ``p`` whole: all-gather every rank's slice into its memory (given back if freed),
+    in ``p``'s dtype (the shard's, unless :func:`compute_in` changed it)."""
+    full = torch.empty(shard.numel() * dist.get_world_size(), dtype=p.dtype)
+    dist.all_gather_into_tensor(full, shard.detach().to(p.dtype))
     p.untyped_storage().resize_(p.numel() * p.element_size())
     p.data.copy_(full[: p.numel()].view_as(p))  # .data: autograd must not see a change of p
 
@@ -62,10 +65,10 @@ def reduce_scatter_gradients(shards, free=False):
     world_size = dist.get_world_size()
 
     def hook(p):
-        grad = nn.functional.pad(p.grad.reshape(-1), (0, -p.numel() % world_size))
-        mine = torch.empty_like(shards[p])
-        dist.reduce_scatter_tensor(mine, grad)  # the sum over ranks, of my slice only
         shard = shards[p]
+        grad = nn.functional.pad(p.grad.to(shard.dtype).reshape(-1), (0, -p.numel() % world_size))
+        mine = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(mine, grad)  # the sum over ranks, of my slice only
         shard.grad = mine / world_size if shard.grad is None else shard.grad + mine / world_size
         p.grad = None
         if free:
@@ -101,3 +104,15 @@ def fully_shard_by_hand(model, units):
         unit.register_forward_pre_hook(gather)
         unit.register_forward_hook(after_forward)
     return shards
+
+
+def compute_in(model, shards, dtype):
+    """Mixed precision, after :func:`fully_shard_by_hand`: forward and backward run on copies in
+    ``dtype`` (bfloat16, float16), made by the all-gather; the shards, the optimizer's state and
+    the reduce-scatter of the gradients stay in the shards' float32. Frozen parameters are cast."""
+    for p in model.parameters():
+        if p in shards:
+            p.data = torch.empty_like(p, dtype=dtype)  # refilled by the next gather, in dtype
+            free_parameter(p)
+        else:
+            p.data = p.data.to(dtype)
