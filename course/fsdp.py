@@ -16,7 +16,8 @@ only the shards::
   after it, gathers them again before its backward, and frees each one as soon as its
   gradient is reduce-scattered (:func:`fully_shard_by_hand`).
 * **Mixed precision** (:func:`compute_in`): the all-gather makes bfloat16 (or float16) copies
-  to compute with; shards, optimizer state and gradient reduction stay float32.
+  to compute with; shards, optimizer state and gradient reduction stay float32. With float16,
+  :func:`scaled_step` scales the loss and skips a step that overflowed, on every rank alike.
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast
@@ -116,3 +117,20 @@ def compute_in(model, shards, dtype):
             free_parameter(p)
         else:
             p.data = p.data.to(dtype)
+
+
+def scaled_step(shards, optimizer, loss, scale):
+    """One step with loss scaling (float16): backward on ``loss * scale``; if any rank's gradient
+    shards hold an inf or NaN, every rank skips the step and halves the scale (the verdict is
+    all-reduced: each rank sees only its own shards); otherwise unscale and step.
+    Returns the new scale and whether the step was taken."""
+    (loss * scale).backward()
+    found_inf = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
+    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)  # one verdict for all ranks
+    if found_inf.item():
+        optimizer.zero_grad()
+        return scale / 2, False
+    for s in shards.values():
+        s.grad /= scale
+    optimizer.step()
+    return scale, True

@@ -62,11 +62,13 @@ class LiveBytes(TorchDispatchMode):
 
     def now(self) -> int:
         storages = {}
-        for ref in list(self.alive.values()):
+        for key, ref in list(self.alive.items()):
             t = ref()
-            if t is not None:
-                storage = t.untyped_storage()
-                storages[storage._cdata] = storage.nbytes()
+            if t is None:
+                del self.alive[key]  # dead: forget it
+                continue
+            storage = t.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
         return sum(storages.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

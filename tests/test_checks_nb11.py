@@ -7,7 +7,14 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb11
-from course.fsdp import free_parameter, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
+from course.fsdp import (
+    free_parameter,
+    fully_shard_by_hand,
+    gather_parameter,
+    reduce_scatter_gradients,
+    scaled_step,
+    shard_parameters,
+)
 from course.zero import flat_padded, zero1_step
 
 # ------------------------------------------------------------------ Exercise 1 (zero1_step)
@@ -226,7 +233,54 @@ def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-# ------------------------------------------------------------------ Exercise 3 (bytes_per_rank)
+# ------------------------------------------------------------------ Exercise 3 (scaled_step)
+
+
+def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
+    def step(shards, optimizer, loss, scale):
+        (loss * scale).backward()
+        found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
+        if agree == "max":
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        elif agree == "sum":
+            dist.all_reduce(found)  # any nonzero count means an overflow somewhere: also right
+        elif agree == "rank 0":
+            dist.broadcast(found, 0)
+        if found.item():
+            if zero_on_skip:
+                optimizer.zero_grad()
+            return (scale / 2 if halve else scale), False
+        if unscale:
+            for s in shards.values():
+                s.grad /= scale
+        optimizer.step()
+        return scale, True
+
+    return step
+
+
+def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
+    assert nb11.scaled_step(scaled_step).status == "correct"
+    assert nb11.scaled_step(_scaler(agree="sum")).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_scaler(agree=None), "the ranks disagreed"),
+        (_scaler(agree="rank 0"), "was taken though a gradient held inf"),
+        (_scaler(unscale=False), "still scaled"),
+        (_scaler(zero_on_skip=False), "zero the gradients"),
+        (_scaler(halve=False), "halve it when the step is skipped"),
+        (lambda shards, optimizer, loss, scale: scale, "return (the new scale, whether the step was taken)"),
+    ],
+)
+def test_scaled_step_rejects_wrong_answers(answer, hint):
+    feedback = nb11.scaled_step(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 4 (bytes_per_rank)
 
 # P = 3,371 values (not a multiple of 4) in T = 4 tensors, 4 ranks
 RIGHT = {
@@ -276,7 +330,7 @@ def test_bytes_per_rank_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-# ------------------------------------------------------------------ Exercise 4 (checkpoint_sequential)
+# ------------------------------------------------------------------ Exercise 5 (checkpoint_sequential)
 
 
 def test_checkpoint_sequential_counts_are_measured():

@@ -226,7 +226,100 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
                    "around its forward and its backward, and the same weights as DDP + Adam.")
 
 
-# ------------------------------------------------------------------ Exercise 3
+# ------------------------------------------------------------------ Exercise 3 (the loss scaler)
+
+
+def _scaler_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4))
+    return model, [model[0], model[2]]
+
+
+def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
+    """Train with ``fn`` as the loss-scaled step. An overflow is injected into one rank's gradient
+    (what float16 does when the scale is too large) at elements that another rank owns."""
+    from course.fsdp import fully_shard_by_hand
+
+    model, units = _scaler_model()
+    shards = fully_shard_by_hand(model, units)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.1)
+    at_step = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
+        [s.grad.clone() for s in shards.values()]))
+    weight = model[0].weight  # 96 values: rank r owns elements r * ceil(96 / N) ...
+    per_rank = -(-weight.numel() // world_size)
+    # step: (the rank whose gradient overflows, a flat element owned by another rank)
+    overflow = {0: (0, (world_size - 1) * per_rank), 2: (world_size - 1, 0)}
+    step_now = [0]
+
+    def inject(grad):
+        who, element = overflow.get(step_now[0], (None, None))
+        if who == rank:
+            grad = grad.clone()
+            grad.view(-1)[element] = float("inf")
+        return grad
+
+    weight.register_hook(inject)
+    verdicts = []
+    for step in range(steps):
+        step_now[0] = step
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        at_step.clear()
+        answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            return {"error": "return (the new scale, whether the step was taken)."}
+        scale, stepped = answer
+        verdicts.append((float(scale), bool(stepped), at_step[0] if at_step else None))
+    return {"verdicts": verdicts, "masters": torch.cat([s.detach() for s in shards.values()])}
+
+
+def _scaler_pair(rank, world_size, fn, reference):
+    return _scaler_run(rank, world_size, fn), _scaler_run(rank, world_size, reference)
+
+
+@exercise(
+    "Exercise 3 (scaled_step)",
+    hint="backward on loss * scale; found = 1.0 if any of this rank's shard gradients is not finite; "
+    "dist.all_reduce(found, op=dist.ReduceOp.MAX); if found: optimizer.zero_grad() and return (scale / 2, False); "
+    "else divide every shard's gradient by scale, optimizer.step(), return (scale, True).",
+)
+def scaled_step(fn, world_sizes=(2, 3)):
+    """Exercise 3: a loss-scaled step whose verdict every rank shares."""
+    from course.fsdp import scaled_step as reference
+
+    for world_size in world_sizes:
+        both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
+        mine, right = [m for m, _ in both], [r for _, r in both]
+        if "error" in mine[0]:
+            return wrong(mine[0]["error"])
+        for step, verdicts in enumerate(zip(*(r["verdicts"] for r in mine))):
+            if len({(scale, stepped) for scale, stepped, _ in verdicts}) > 1:
+                return wrong(f"on {world_size} ranks, at step {step} the ranks disagreed (skipped or not, or the scale): "
+                             "each rank sees only its own shards, so an overflow on one is invisible to the others. "
+                             "Agree on one verdict: all-reduce the found-inf flag with ReduceOp.MAX.")
+        for step, ((scale, stepped, grads), (right_scale, right_stepped, right_grads)) in enumerate(
+                zip(mine[0]["verdicts"], right[0]["verdicts"])):
+            if stepped and not right_stepped:
+                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held inf: look at every "
+                             "rank's verdict, not one rank's.")
+            if stepped != right_stepped:
+                return wrong(f"step {step} was skipped though no gradient overflowed in it: did an earlier step's inf "
+                             "stay in the gradients? When you skip a step, zero the gradients (optimizer.zero_grad()).")
+            if scale != right_scale:
+                return wrong(f"after step {step} the scale is {scale:g}, expected {right_scale:g}: halve it when the "
+                             "step is skipped, keep it otherwise.")
+            if stepped and grads is not None and not all(torch.allclose(a, b) for a, b in zip(grads, right_grads)):
+                return wrong("the gradients the optimizer stepped on are still scaled: divide them by the scale first.")
+        for a, b in zip(mine, right):
+            if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
+                return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
+                             "(optimizer.zero_grad()), or they are added into the next step's.")
+    return correct("2 and 3 ranks, an overflow on one rank in another rank's slice: every rank skipped the same "
+                   "steps, with one scale.")
+
+
+# ------------------------------------------------------------------ Exercise 4
 
 STAGES = (0, 1, 3)
 KINDS = ("parameters", "gradients", "optimizer")
@@ -306,12 +399,12 @@ def _plausible_mistakes(world_size=4):
 
 
 @exercise(
-    "Exercise 3 (bytes_per_rank)",
+    "Exercise 4 (bytes_per_rank)",
     hint="P = 3,371 values in 4 tensors, 4 bytes each; Adam: 2 values per parameter value + a 4-byte step per "
     "tensor it updates. ZeRO-1 shards only Adam's state (over a flat, padded vector); FSDP2 shards each tensor by rows.",
 )
 def bytes_per_rank(stage0, stage1, stage3):
-    """Exercise 3: rank 0's bytes of parameters, gradients and optimizer state for stages 0, 1 and 3."""
+    """Exercise 4: rank 0's bytes of parameters, gradients and optimizer state for stages 0, 1 and 3."""
     predicted = {0: stage0, 1: stage1, 3: stage3}
     for stage in STAGES:
         entry = predicted[stage]
@@ -334,7 +427,7 @@ def bytes_per_rank(stage0, stage1, stage3):
     return wrong(f"{len(off)} of the 9 numbers are off, the first: stage {stage}, {kind}.")
 
 
-# ------------------------------------------------------------------ Exercise 4
+# ------------------------------------------------------------------ Exercise 5
 
 
 def _blocks(n=4, d=128, h=512):
@@ -368,12 +461,12 @@ def checkpoint_sequential_counts(segments=3, batch=32):
 
 
 @exercise(
-    "Exercise 4 (checkpoint_sequential)",
+    "Exercise 5 (checkpoint_sequential)",
     hint="segment size = len(model) // segments; all segments but the last are checkpointed; "
     "the last runs normally, whatever its length. Per normal block: input 16 KiB, GELU input 64, GELU output 64.",
 )
 def checkpoint_sequential(forward_calls, saved_kib):
-    """Exercise 4: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
+    """Exercise 5: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
     calls, kib = checkpoint_sequential_counts()
     try:
         forward_calls = [int(c) for c in forward_calls]
