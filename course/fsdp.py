@@ -134,3 +134,32 @@ def scaled_step(shards, optimizer, loss, scale):
         s.grad /= scale
     optimizer.step()
     return scale, True
+
+
+def prefetch_forward(units, shards):
+    """Forward prefetching, after :func:`fully_shard_by_hand`: when a unit starts its forward, start
+    the all-gathers of the next unit's parameters without waiting (``async_op=True``), so that they
+    travel while this unit computes; the next unit then waits for them instead of gathering.
+    ``units`` in the order forward runs them. (FSDP2 prefetches in backward too.)"""
+    world_size, pending = dist.get_world_size(), {}
+
+    def start(module, args, upcoming):
+        for p in upcoming:
+            if p.untyped_storage().nbytes() == 0 and p not in pending:
+                full = torch.empty(shards[p].numel() * world_size, dtype=p.dtype)
+                work = dist.all_gather_into_tensor(full, shards[p].detach().to(p.dtype), async_op=True)
+                pending[p] = work, full
+
+    def wait(module, args, own):
+        for p in own:
+            if p in pending:
+                work, full = pending.pop(p)
+                work.wait()
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.data.copy_(full[: p.numel()].view_as(p))
+
+    for unit, upcoming in zip(units, units[1:]):
+        unit.register_forward_pre_hook(lambda m, a, up=[p for p in upcoming.parameters() if p in shards]: start(m, a, up))
+    for unit in units[1:]:
+        own = [p for p in unit.parameters() if p in shards]
+        unit.register_forward_pre_hook(lambda m, a, own=own: wait(m, a, own), prepend=True)  # before its gather

@@ -78,7 +78,7 @@ def _defined_in_notebook(name):
      (course.zero, "zero1_setup"), (course.zero, "zero1_step"), (course.memory, "LiveBytes"),
      (course.fsdp, "shard_parameters"), (course.fsdp, "gather_parameter"), (course.fsdp, "free_parameter"),
      (course.fsdp, "reduce_scatter_gradients"), (course.fsdp, "fully_shard_by_hand"), (course.fsdp, "compute_in"),
-     (course.fsdp, "scaled_step")],
+     (course.fsdp, "scaled_step"), (course.fsdp, "prefetch_forward")],
 )
 def test_notebook_derives_the_package_code(module, name):
     assert _defined_in_notebook(name) == inspect.getsource(getattr(module, name)).rstrip()
