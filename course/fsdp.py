@@ -21,8 +21,7 @@ only the shards::
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast
-first, so ranks that initialised differently start equal. Every trainable parameter must
-get a gradient in every backward (as with DDP's default ``find_unused_parameters=False``).
+first, so ranks that initialised differently start equal. A unit must return one tensor.
 """
 
 from __future__ import annotations
@@ -101,6 +100,8 @@ def fully_shard_by_hand(model, units):
                 free_parameter(p)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(gather)  # runs before backward goes into the unit
+            elif own and torch.is_grad_enabled() and not isinstance(output, torch.Tensor):
+                raise TypeError(f"a unit must return one tensor (to hook its backward), not {type(output).__name__}")
 
         unit.register_forward_pre_hook(gather)
         unit.register_forward_hook(after_forward)

@@ -379,3 +379,28 @@ def test_live_bytes_follows_storage_resized_and_temporaries():
         assert before == after == 500 * 4 and left == 0
         assert whole == 500 * 4 + 1000 * 4  # the shard and the whole parameter (the gather buffer is gone)
         assert peak >= 500 * 4 + 1000 * 4 + 1000 * 4  # during the gather: the buffer and the parameter
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, y
+
+
+def _unit_returning_a_tuple(rank, world_size):
+    model = nn.Sequential(_Pair())
+    fully_shard_by_hand(model, [model[0]])
+    try:
+        model(torch.randn(2, 3))
+    except TypeError as e:
+        return str(e)
+
+
+@needs_part_ii_torch
+def test_a_unit_that_returns_a_tuple_gets_a_clear_error():
+    for message in launch(_unit_returning_a_tuple, 2, show=None):
+        assert "a unit must return one tensor" in message
