@@ -248,7 +248,28 @@ def pack(fn, args, backend: RegisteredBackend | None = None) -> bytes:
         _keep_source_pickler()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args, backend))
         return buffer.getvalue()
     except Exception as e:
-        raise TypeError(f"fn and its arguments must be picklable to start ranks that do not fork: {e}") from e
+        raise TypeError(f"fn and its arguments must be picklable to start ranks that do not fork: {e}"
+                        f"{_unpicklable_part(fn, args)}") from e
+
+
+def _unpicklable_part(fn, args):
+    """Which argument, or which global name ``fn`` uses, cannot be pickled (for the error message)."""
+    import inspect
+
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return ""
+    parts = [(f"argument {i + 1}", a) for i, a in enumerate(args)]
+    parts += [(f"the global {name!r} that {getattr(fn, '__name__', 'fn')} uses", v) for name, v in names.globals.items()]
+    parts += [(f"the variable {name!r} that {getattr(fn, '__name__', 'fn')} closes over", v) for name, v in names.nonlocals.items()]
+    for what, value in parts:
+        try:
+            _keep_source_pickler()(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        except Exception:
+            return (f" ({what}, a {type(value).__name__}). Create it inside the function instead, or pass"
+                    " something that pickles (a name, numbers, tensors).")
+    return ""
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -197,6 +198,21 @@ def test_a_traceback_from_a_rank_shows_the_notebook_cell_line_that_failed(start_
     with pytest.raises(WorkerError) as info:
         launch(namespace["job"], 1, start_method=start_method, show=None)
     assert f'File "{cell}", line 3, in job\n    raise ValueError(\'from the cell\')' in info.value.traceback
+
+
+_LOCK = threading.Lock()
+
+
+def test_what_does_not_pickle_is_named_before_anything_starts():
+    def uses_a_lock(rank, world_size):  # defined here, not importable: sent by value, with its globals
+        with _LOCK:
+            return rank
+
+    with pytest.raises(TypeError, match=r"the global '_LOCK' that uses_a_lock uses, a lock\)\. Create it inside"):
+        launch(uses_a_lock, 1, start_method="forkserver")
+    with pytest.raises(TypeError, match=r"\(argument 2, a lock\)"):
+        launch(lambda r, w, a, b: r, 1, 0, threading.Lock(), start_method="spawn")
+    assert _children() == []
 
 
 @pytest.mark.parametrize("start_method, attempt", [("fork", 0), ("fork", 1), ("fork", 2), ("forkserver", 0)])
