@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import io
 import linecache
 import os
@@ -290,7 +291,18 @@ def _keep_source_pickler():
         cell = linecache.cache.get(code.co_filename)
         return _rebuild_code, (make, args, code.co_filename, cell if not os.path.exists(code.co_filename) else None)
 
-    return type("KeepSourcePickler", (base,), {"dispatch_table": ChainMap({types.CodeType: code_with_source}, base.dispatch_table)})
+    def reducer_override(self, obj):
+        # A module of a type derived from ModuleType, such as torch.ops (torch._ops._Ops), by name:
+        # cloudpickle sends the submodules a function's code may reach (`torch` + an attribute `.ops`
+        # anywhere in it, e.g. `self.ops`) and knows only plain modules ("cannot pickle '_Ops' object").
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        return base.reducer_override(self, obj)
+
+    return type("KeepSourcePickler", (base,), {
+        "dispatch_table": ChainMap({types.CodeType: code_with_source}, base.dispatch_table),
+        "reducer_override": reducer_override,
+    })
 
 
 def _rebuild_code(make, args, filename, cell):

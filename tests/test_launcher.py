@@ -200,6 +200,21 @@ def test_a_traceback_from_a_rank_shows_the_notebook_cell_line_that_failed(start_
     assert f'File "{cell}", line 3, in job\n    raise ValueError(\'from the cell\')' in info.value.traceback
 
 
+def test_a_function_whose_code_says_ops_reaches_ranks_that_do_not_fork():
+    # `torch` + an attribute named `ops` anywhere in the code: cloudpickle also sends the submodule
+    # torch.ops, whose type derives from ModuleType, and failed ("cannot pickle '_Ops' object").
+    def job(rank, world_size):
+        class Recorder:
+            def __init__(self):
+                self.ops = []
+
+        recorder = Recorder()
+        recorder.ops.append(torch.ones(1).item())
+        return recorder.ops
+
+    assert launch(job, 1, start_method="forkserver", show=None) == [[1.0]]
+
+
 _LOCK = threading.Lock()
 
 
