@@ -224,9 +224,11 @@ class ExpertParallelMoE(nn.Module):
 
 
 def expert_parameters(model):
-    """The ``id``s of the parameters of the experts of every :class:`ExpertParallelMoE` in ``model``:
+    """The ``id``s of the parameters in the ``experts`` of every expert-parallel layer of ``model`` (a
+    module with ``experts`` and the process ``group`` they are spread over, like :class:`ExpertParallelMoE`):
     chosen by module, not by name (a replicated layer named ``shared_experts`` is no expert)."""
-    return {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "group")]
+    return {id(p) for m in layers for p in m.experts.parameters()}
 
 
 def sync_gradients(model, expert_data_group, group=None):

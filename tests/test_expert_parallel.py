@@ -191,6 +191,8 @@ def test_sync_gradients_selects_experts_by_module_skips_frozen_and_joins_with_ze
 def test_expert_parameters_are_chosen_by_module_not_by_name():
     model = torch.nn.ModuleDict({"shared_experts": torch.nn.Linear(2, 2)})
     assert ep.expert_parameters(model) == set()  # "experts." is in its parameters' names, yet it is no expert
+    model = torch.nn.ModuleDict({"moe": ep.MoE(2, 4, 2)})
+    assert ep.expert_parameters(model) == set()  # a single-process MoE is replicated: no expert-parallel layer
 
 
 def _differently_initialised(rank, world_size):
