@@ -275,7 +275,7 @@ def compare_training(results, moe):
 
 @exercise(
     "Exercise 3 (EP x DP gradient sync)",
-    hint="after backward, an expert's gradient already holds every token of its expert-parallel group; "
+    hint="skip frozen parameters (no .grad). After backward, an expert's gradient already holds every token of its expert-parallel group; "
     "the router's holds only this rank's. Each rank's loss counts 1/(all ranks) in the mean.",
 )
 def ep_dp_sync(sync):
