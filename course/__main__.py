@@ -1,4 +1,4 @@
-"""Command line: ``python -m course doctor`` and ``python -m course build``."""
+"""Command line: ``python -m course doctor``, ``build``, ``grade`` (instructors) and ``progress`` (students)."""
 
 import argparse
 import sys
@@ -11,8 +11,25 @@ def main(argv=None):
     build = sub.add_parser("build", help="re-execute solutions/ (storing outputs) and regenerate notebooks/")
     build.add_argument("names", nargs="*", help="only notebooks whose file name contains one of these")
     build.add_argument("--no-execute", action="store_true", help="only regenerate the student notebooks")
+    grade = sub.add_parser("grade", help="grade students' notebooks: each exercise's verdict, judged by the course's checks")
+    grade.add_argument("submissions", nargs="+", help="student notebooks, or folders of them (one folder per student)")
+    grade.add_argument("--csv", help="write one row per student and exercise to this file")
+    progress = sub.add_parser("progress", help="your verdicts: run your saved notebooks and judge each exercise")
+    progress.add_argument("notebooks", nargs="*", help="notebooks or folders (default: notebooks/)")
+    for command in (grade, progress):
+        command.add_argument("--cell-timeout", type=float, default=120, help="seconds one cell may run (default 120)")
+        command.add_argument("--notebook-timeout", type=float, default=900, help="seconds a notebook may run (default 900)")
+        command.add_argument("--check-timeout", type=float, default=180, help="seconds to judge one exercise (default 180)")
+        command.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1; each runs its own ranks)")
     args = parser.parse_args(argv)
 
+    if args.command in ("grade", "progress"):
+        from course import grading
+
+        limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
+        if args.command == "grade":
+            return grading.grade(args.submissions, args.csv, limits, args.jobs)
+        return grading.progress(args.notebooks, limits, args.jobs)
     if args.command == "doctor":
         from course.doctor import doctor
 

@@ -18,21 +18,55 @@ All three have the same use, and all three give DDP's weights::
 
 Like DDP's default all-reduce, each gradient is divided by the world size and then summed.
 Each class expects one ``backward()`` per ``finish()``.
+
+All three start with :func:`replicate`, what DDP does besides averaging gradients: rank 0's
+parameters and buffers are broadcast at construction (ranks that initialised differently
+agree from the start), and its buffers again before each forward. Frozen parameters
+(``requires_grad=False``) get no gradient and are not all-reduced; a parameter shared by
+two layers (tied weights) is one tensor, all-reduced once.
 """
 
 import torch
 import torch.distributed as dist
 
 
+def replicate(model):
+    """Make every rank hold rank 0's model, as DDP does: its parameters (frozen ones too) and
+    buffers now, and its buffers (BatchNorm's running statistics) again before each forward,
+    except after a forward run without gradients (``torch.no_grad()``: evaluation)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:  # a tied parameter is listed once
+            dist.broadcast(tensor, src=0)
+    sync = {"next forward": True}
+
+    def before_forward(module, args):
+        if sync["next forward"]:
+            with torch.no_grad():
+                for buffer in module.buffers():
+                    dist.broadcast(buffer, src=0)
+
+    def after_forward(module, args, output):
+        sync["next forward"] = torch.is_grad_enabled()
+
+    model.register_forward_pre_hook(before_forward)
+    model.register_forward_hook(after_forward)
+
+
+def trainable(model):
+    """The parameters that get gradients: frozen ones (``requires_grad=False``) have none."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class AllReduceAfterBackward:
     """Step 1: after backward, all-reduce each gradient and divide by the world size."""
 
     def __init__(self, model):
+        replicate(model)
         self.model = model
 
     def finish(self):
         world_size = dist.get_world_size()
-        for p in self.model.parameters():
+        for p in trainable(self.model):
             p.grad /= world_size
             dist.all_reduce(p.grad)
 
@@ -41,9 +75,9 @@ class OverlapPerParameter:
     """Step 2: start each gradient's all-reduce from a hook, during backward; wait in finish()."""
 
     def __init__(self, model):
-        self.model = model
+        replicate(model)
         self.pending = []  # the async all-reduces started during this backward
-        for p in model.parameters():
+        for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p):
@@ -80,11 +114,12 @@ class BucketedDataParallel:
     """
 
     def __init__(self, model, bucket_cap_mb=1.0, find_unused_parameters=False):
+        replicate(model)
         self.find_unused_parameters = find_unused_parameters
         self.names = {p: name for name, p in model.named_parameters()}
         # The last layer's gradients are computed first, so its parameters go in bucket 0.
         self.buckets, params, size = [], [], 0
-        for p in reversed(list(model.parameters())):
+        for p in reversed(trainable(model)):
             params.append(p)
             size += p.numel() * p.element_size()
             if size >= bucket_cap_mb * 2**20:
@@ -94,7 +129,7 @@ class BucketedDataParallel:
             self.buckets.append(Bucket(params))
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets are all-reduced in order, so every rank issues the same sequence
-        for p in model.parameters():
+        for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p):

@@ -26,6 +26,12 @@ and the notebook uses it::
   :class:`course.WorkerError`) is reported as a wrong answer naming the rank's error;
 * the feedback carries the exercise's name.
 
+What a check, ``hint()`` and ``solution()`` return shows as plain text in a terminal and as
+Markdown in Jupyter (``_repr_markdown_``: `code` as code, *emphasis* as emphasis, the solution
+highlighted). Feedback and hints are written with those two markers only; everything else in
+them is shown as it is (:func:`markdown`). A Jupyter output keeps both forms; nbval compares the
+plain one (``conftest.py``).
+
 ``solution()`` shows the solution notebook's own code for the exercise (the notebooks
 are the single source): ``python -m course build`` copies each exercise's solution cell
 into ``course/checks/solutions.json``, and a test keeps that file up to date.
@@ -36,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,9 +56,14 @@ class Feedback:
     exercise: str
     status: str  # "correct", "wrong" or "todo"
     message: str
+    details: str = ""  # preformatted lines shown under the message (what a failed rank printed last)
 
     def __repr__(self) -> str:
-        return f"{ICONS[self.status]} {self.exercise}: {self.message}"
+        text = f"{ICONS[self.status]} {self.exercise}: {self.message}"
+        return text + "".join(f"\n    {line}" for line in self.details.splitlines())
+
+    def _repr_markdown_(self) -> str:
+        return f"{ICONS[self.status]} **{markdown(self.exercise)}**: {markdown(self.message)}" + code_block(self.details, "text")
 
     def __bool__(self) -> bool:
         return self.status == "correct"
@@ -70,10 +82,58 @@ def todo() -> Feedback:
 
 
 class Text(str):
-    """A string that shows as itself (not as a quoted repr) at the end of a cell."""
+    """A string that shows as itself (not as a quoted repr) at the end of a cell, and in
+    Jupyter as the Markdown ``markdown`` (the same text, formatted)."""
+
+    def __new__(cls, text: str, markdown: str | None = None):
+        self = super().__new__(cls, text)
+        self.markdown = markdown
+        return self
 
     def __repr__(self) -> str:
         return str(self)
+
+    def _repr_markdown_(self) -> str | None:
+        return self.markdown
+
+
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+EMPHASIS = re.compile(r"\*(\S(?:[^*]*\S)?)\*")
+SPECIAL = re.compile(r"([\\`*_\[\]<>&|~$])")  # markup anywhere in a line
+LINE_START = re.compile(r"^(\s*)([-+#>=]|\d+[.)])", re.M)  # markup at the start of a line: lists, headings, quotes
+
+
+def _escape(text: str) -> str:
+    return SPECIAL.sub(r"\\\1", text)
+
+
+def _code_span(code: str) -> str:
+    ticks = "`" * (max(map(len, re.findall("`+", code)), default=0) + 1)
+    pad = " " if code.startswith("`") or code.endswith("`") else ""
+    return f"{ticks}{pad}{code}{pad}{ticks}"
+
+
+def markdown(text: str) -> str:
+    """``text`` as Markdown that shows exactly it: `code` spans and *emphasis* are kept, every
+    other character Markdown or HTML would take as markup (``<class 'list'>``, ``__init__``,
+    ``2 * 3``, a leading ``1.``) is escaped; a line break stays a line break."""
+    parts = []
+    for i, piece in enumerate(CODE_SPAN.split(text)):  # text, backticks, code, text, ...
+        if i % 3 == 2:
+            parts.append(_code_span(piece))
+        elif i % 3 == 0:
+            for j, span in enumerate(EMPHASIS.split(piece)):  # text, emphasised, text, ...
+                parts.append(f"*{_escape(span)}*" if j % 2 else _escape(span))
+    out = LINE_START.sub(lambda m: m.group(1) + m.group(2)[:-1] + "\\" + m.group(2)[-1], "".join(parts))
+    return out.replace("\n", "  \n")
+
+
+def code_block(code: str, language: str = "python") -> str:
+    """``code`` as a fenced Markdown block (highlighted in Jupyter), after a blank line; "" for no code."""
+    if not code.strip():
+        return ""
+    fence = "`" * max(3, max(map(len, re.findall("`+", code)), default=0) + 1)
+    return f"\n\n{fence}{language}\n{code.rstrip()}\n{fence}"
 
 
 class Exercise:
@@ -95,22 +155,40 @@ class Exercise:
             try:
                 feedback = self.judge(*answers, **options)
             except WorkerError as e:  # the student's code failed on a rank
-                feedback = wrong(f"a rank failed: {e.failed.get(e.rank, e)}")
+                feedback = rank_failed(e)
         if not isinstance(feedback, Feedback):
             raise TypeError(f"{self.name}'s check returned {feedback!r}, not correct(...) or wrong(...).")
         return replace(feedback, exercise=self.name)
 
     def hint(self) -> Text:
-        return Text(f"💡 {self.name}: {self._hint}")
+        return Text(f"💡 {self.name}: {self._hint}", f"💡 **{markdown(self.name)}**: {markdown(self._hint)}")
 
     def solution(self) -> Text:
         code = solutions().get(self.notebook, {}).get(self.__name__)
         if code is None:
-            return Text(f"{self.name}: no stored solution; see solutions/ in the course repository.")
-        return Text(f"💡 {self.name}, a solution:\n\n{code}")
+            text = f"{self.name}: no stored solution; see solutions/ in the course repository."
+            return Text(text, markdown(text))
+        return Text(f"💡 {self.name}, a solution:\n\n{code}", f"💡 **{markdown(self.name)}**, a solution:" + code_block(code))
 
     def __repr__(self) -> str:
         return f"<exercise {self.name}: call it with your answer; .hint(), .solution()>"
+
+
+def rank_failed(e) -> Feedback:
+    """The feedback for a check whose launch failed in the student's code (a
+    :class:`course.WorkerError` the check did not handle): which rank, the whole error, the
+    student's line, and what a rank that died without a Python exception printed last."""
+    from course.launcher import WorkerTimeoutError
+
+    if isinstance(e, WorkerTimeoutError):
+        stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
+        return replace(wrong(str(e).split("\n")[0]), details=stuck)
+    reason = " ".join(e.reason.split())  # torch's messages go on in indented lines: one paragraph
+    where = f", in your code at {e.where}" if e.where else ""
+    message = f"not yet: a rank failed: {reason} (rank {e.rank}{where})"
+    if e.last_lines:
+        message += ". What it printed last:"
+    return Feedback("", "wrong", message, details=e.last_lines)
 
 
 def exercise(name: str, hint: str):

@@ -43,6 +43,8 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   :class:`WorkerError` names the rank and shows its traceback. If ranks are still
   running after ``timeout`` seconds (a missing collective, a deadlock), their Python
   stacks are dumped, every rank is killed and :class:`WorkerTimeoutError` names them.
+  An interrupt (Kernel > Interrupt) kills every rank, replays their output once and raises
+  :class:`LaunchInterrupted`, which Jupyter shows as one line, not a traceback through here.
 * **The end.** A rank that has returned waits: one that left early would make its peers
   fail with "connection closed" instead of showing who really hung. Once every rank has
   reported, the parent kills them all at once (their process groups die with them:
@@ -75,11 +77,12 @@ from course.worker import (
     collect,
     pack,
     ranks_to_show,
+    read_output,
     replay_output,
     run_rank,
 )
 
-__all__ = ["launch", "WorkerError", "WorkerTimeoutError", "default_threads", "default_start_method"]
+__all__ = ["launch", "WorkerError", "WorkerTimeoutError", "LaunchInterrupted", "default_threads", "default_start_method"]
 
 START_METHODS = ("fork", "spawn")
 STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
@@ -154,8 +157,9 @@ def launch(
                       and ``MASTER_PORT`` (a free port) are set for ``env://``, and values
                       that ``fn`` sets itself win.
 
-    Raises :class:`WorkerError` if a rank raises or dies, and
-    :class:`WorkerTimeoutError` if ranks are still running after ``timeout``.
+    Raises :class:`WorkerError` if a rank raises or dies,
+    :class:`WorkerTimeoutError` if ranks are still running after ``timeout``, and
+    :class:`LaunchInterrupted` (a ``KeyboardInterrupt``) once an interrupt has stopped the ranks.
     """
     show_ranks = _check_arguments(fn, world_size, timeout, show, threads, backend, start_method, env, init_process_group)
     backend_plugin = check_backend(backend)  # a registered backend: spawned ranks redo the registration
@@ -173,8 +177,11 @@ def launch(
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
         job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group)
-        display = live.LiveOutput(job, show_ranks) if show_ranks and live.in_jupyter() else None
-        procs, readers = [], []
+        # In Jupyter even a launch that shows nobody's output (show=None, as checks do) shows
+        # which ranks still run after a second: a hang must not look like nothing happening.
+        display = live.LiveOutput(job, show_ranks) if live.in_jupyter() else None
+        procs, readers, reports = [], [], {}
+        started, interrupted = time.monotonic(), None
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -190,13 +197,34 @@ def launch(
                 writer.close()  # keep only the child's copy: EOF on ``reader`` == child gone
                 procs.append(proc)
                 readers.append(reader)
-            reports = _supervise(procs, readers, job, display)
+            _supervise(procs, readers, job, display, reports)
+        except KeyboardInterrupt:  # Kernel > Interrupt, Ctrl-C
+            interrupted = time.monotonic() - started
         finally:
             _kill_all(procs)
             if display is not None:
                 display.close()
             replay_output(job, show_ranks)
+    if interrupted is not None:
+        raise LaunchInterrupted(world_size, [r for r in range(world_size) if r not in reports], interrupted) from None
     return collect(reports, world_size)
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launch was interrupted (Kernel > Interrupt, Ctrl-C): every rank has been stopped.
+    Jupyter shows it as its one-line message, without a traceback through the launcher
+    (IPython shows what ``_render_traceback_`` returns); ``ranks`` lists those that still ran."""
+
+    def __init__(self, world_size, ranks, seconds):
+        if len(ranks) in (0, world_size):
+            running = f"all {world_size} ranks"
+        else:
+            running = f"rank(s) {', '.join(map(str, ranks))} of {world_size} (the others had finished)"
+        super().__init__(f"interrupted after {seconds:.1f} s: course.launch stopped {running}.")
+        self.ranks, self.seconds = ranks, seconds
+
+    def _render_traceback_(self):
+        return [f"⏹ KeyboardInterrupt: {self}"]
 
 
 def _check_arguments(fn, world_size, timeout, show, threads, backend, start_method, env, init_process_group):
@@ -277,10 +305,9 @@ def _free_port():
 # --------------------------------------------------------------------------- parent side
 
 
-def _supervise(procs, readers, job, display):
-    """Wait for every rank's :class:`Report`; stop at the first failure or at the timeout."""
+def _supervise(procs, readers, job, display, reports):
+    """Wait for every rank's :class:`Report`, into ``reports``; stop at the first failure or at the timeout."""
     world_size = len(procs)
-    reports = {}
     # The timeout counts from when every rank has started (imports done): spawned ranks take
     # seconds to import torch, forked ones milliseconds. A rank stuck starting up is given
     # STARTUP_LIMIT seconds before the clock starts anyway.
@@ -318,7 +345,7 @@ def _supervise(procs, readers, job, display):
                 if readers[rank] in pending and readers[rank].poll():  # its last words, if any
                     receive(readers[rank])
                 if rank not in reports:
-                    reports[rank] = _death_report(procs[rank], rank)
+                    reports[rank] = _death_report(procs[rank], rank, job)
         if display is not None:
             display.update([r for r in range(world_size) if r not in reports])
 
@@ -329,14 +356,13 @@ def _supervise(procs, readers, job, display):
                 receive(reader)
         for rank, proc in enumerate(procs):
             if rank not in reports and proc.exitcode is not None:
-                reports[rank] = _death_report(proc, rank)
-    return reports
+                reports[rank] = _death_report(proc, rank, job)
 
 
-def _death_report(proc, rank):
+def _death_report(proc, rank, job):
     noticed = time.monotonic()
     proc.join(1)
-    report = Report.from_exit_code(rank, proc.exitcode)
+    report = Report.from_exit_code(rank, proc.exitcode, read_output(job, rank))
     report.time = noticed
     return report
 

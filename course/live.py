@@ -3,7 +3,8 @@
 A launch replays its ranks' output in rank order when it ends (deterministic, so nbval can
 compare it). Until then a cell would be silent: for a training run, seconds; for a hang,
 the whole timeout. In a Jupyter kernel, :class:`LiveOutput` therefore shows the ranks'
-latest lines as they arrive and, after a few seconds, which ranks are still running.
+latest lines as they arrive and, after a second, which ranks are still running (also for a
+launch that shows nobody's output, such as an exercise check's: a hang is seen at once).
 
 Why it cannot disturb the stored or the compared outputs: the display starts *empty*, is
 filled by ``update_display_data`` messages, and is emptied again when the launch ends.
@@ -23,7 +24,7 @@ from course.worker import Job, NoiseFilter
 
 TICK = 0.25  # seconds between looks at the ranks' output files
 SHOW_AFTER = 0.5  # seconds: a quick launch shows only its replay, without flicker
-STATUS_AFTER = 3.0  # seconds after which the display also says which ranks still run
+STATUS_AFTER = 1.0  # seconds after which the display also says which ranks still run
 LINES = 20  # the display keeps the latest lines only
 
 
@@ -58,9 +59,10 @@ class LiveOutput:
             return
         for rank in self.ranks:
             self._read(rank)
-        text = "\n".join(self.lines)
+        lines = list(self.lines)
         if running and elapsed >= STATUS_AFTER:
-            text += f"\n… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}"
+            lines.append(f"… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}")
+        text = "\n".join(lines)
         if text.strip() and text != self.shown:
             self.handle.update({"text/plain": text}, raw=True)
             self.shown = text

@@ -12,8 +12,11 @@ included, and tensors that are views of one buffer are counted once.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def storage_bytes(tensors) -> int:
@@ -37,3 +40,41 @@ def bytes_per_rank(model, optimizer) -> dict:
         "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": storage_bytes(state),
     }
+
+
+class LiveBytes(TorchDispatchMode):
+    """While active, follows every tensor an operation creates, and after each operation adds up
+    the bytes of the storages still alive (each once, at its size then: a storage resized to 0
+    counts 0); ``peak`` is the most seen at once. ``tensors`` made before (parameters, optimizer
+    state) are followed from the start. Backward runs its operations here too."""
+
+    def __init__(self, tensors=()):
+        super().__init__()
+        self.alive = {}  # id -> weak reference to a tensor
+        for t in tensors:
+            self.follow(t)
+        self.peak = self.now()
+
+    def follow(self, t):
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        self.alive[id(t)] = weakref.ref(t)
+
+    def now(self) -> int:
+        storages = {}
+        for key, ref in list(self.alive.items()):
+            t = ref()
+            if t is None:
+                del self.alive[key]  # dead: forget it
+                continue
+            storage = t.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+        return sum(storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.follow(t)
+        self.peak = max(self.peak, self.now())
+        return out

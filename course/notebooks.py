@@ -100,6 +100,19 @@ def set_header(nb, folder: str, name: str):
     return nb
 
 
+# What JupyterLab writes into a notebook's metadata when it starts the kernel (ipykernel >= 6
+# names its kernel "Python 3 (ipykernel)"): stored the same, a notebook opens unmodified. The
+# language_info beside it is the kernel's (nbclient stores it when the build executes), so it
+# matches wherever the Python version is the build's.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def set_metadata(nb):
+    """The kernelspec JupyterLab would write (see KERNELSPEC)."""
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    return nb
+
+
 def make_student(solution_nb, name: str):
     nb = nbformat.from_dict(solution_nb)  # a deep copy
     nb.cells = [c for c in nb.cells if "solution" not in c.get("metadata", {}).get("tags", [])]
@@ -303,22 +316,26 @@ def solution_code(source: str) -> str:
     return "\n".join(re.sub(r"\s*#\s*SOLUTION\s*$", "", line) for line in lines).strip()
 
 
+def answer_cells(nb, names) -> list:
+    """The cells marked ``SOLUTION`` that define any of ``names``: an exercise's answer cells."""
+    return [
+        c for c in nb.cells
+        if c.cell_type == "code" and "SOLUTION" in c.source
+        and any(re.search(rf"^(def {n}\(|class {n}\b|{n}\s*(,[^=]*)?=)", c.source, re.M) for n in names)
+    ]
+
+
 def exercise_solutions(nb) -> dict:
     """{exercise: solution code} for one solution notebook. An exercise is a call
     ``check.NAME(answer, ...)``; its solution is the marked cell that defines the answers."""
-    marked = [c.source for c in nb.cells if c.cell_type == "code" and "SOLUTION" in c.source]
     found = {}
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         for call in _CHECK_CALL.finditer(cell.source):
-            names = re.findall(r"\b([A-Za-z_]\w*)\b", call["args"])
-            defines = [
-                src for src in marked
-                if any(re.search(rf"^(def {n}\(|class {n}\b|{n}\s*(,[^=]*)?=)", src, re.M) for n in names)
-            ]
+            defines = answer_cells(nb, re.findall(r"\b([A-Za-z_]\w*)\b", call["args"]))
             if defines:
-                found[call["exercise"]] = "\n\n".join(solution_code(src) for src in defines)
+                found[call["exercise"]] = "\n\n".join(solution_code(c.source) for c in defines)
     return found
 
 
@@ -333,6 +350,38 @@ def write_solutions(path: Path):
     path.write_text(json.dumps(all_solutions(), indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def exercise_answers(nb) -> list:
+    """For one solution notebook, in its order, each exercise's ``check`` (its name), ``answers``
+    (the names its ``check.NAME(answer, ...)`` call passes), ``check_cell`` and ``answer_cells``
+    (cell ids). ``python -m course grade`` reads them to know what to take out of a student's
+    notebook, and when: after the check's cell (the notebook may rebind the names later)."""
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for call in _CHECK_CALL.finditer(cell.source):
+            args = ast.parse(f"f({call['args']})", mode="eval").body
+            if args.keywords or not all(isinstance(a, ast.Name) for a in args.args):
+                raise ValueError(f"check.{call['exercise']}({call['args']}): pass the answers by name only, "
+                                 "so that the grader knows which names to take from a student's notebook")
+            names = [a.id for a in args.args]
+            found.append({"check": call["exercise"], "answers": names, "check_cell": cell.get("id"),
+                          "answer_cells": [c.get("id") for c in answer_cells(nb, names)]})
+    return found
+
+
+def all_exercise_answers() -> dict:
+    """{notebook number: {"file": its file name, "exercises": exercise_answers(...)}} for every solution notebook."""
+    return {
+        path.name[:2]: {"file": path.name, "exercises": exercise_answers(nbformat.read(path, as_version=4))}
+        for path in solution_paths()
+    }
+
+
+def write_exercise_answers(path: Path):
+    path.write_text(json.dumps(all_exercise_answers(), indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write(nb, path: Path):
     nbformat.validate(nb)
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
@@ -342,7 +391,7 @@ def build(names=(), run: bool = True):
     """Execute the solutions (if ``run``) and regenerate the student notebooks."""
     STUDENT.mkdir(exist_ok=True)
     for path in solution_paths(names):
-        nb = set_header(nbformat.read(path, as_version=4), "solutions", path.name)
+        nb = set_metadata(set_header(nbformat.read(path, as_version=4), "solutions", path.name))
         if run:
             print(f"executing {path.relative_to(ROOT)} ...", flush=True)
             execute(nb, path.parent)
@@ -352,3 +401,4 @@ def build(names=(), run: bool = True):
     from course.exercises import SOLUTIONS_FILE
 
     write_solutions(SOLUTIONS_FILE)
+    write_exercise_answers(SOLUTIONS_FILE.with_name("answers.json"))

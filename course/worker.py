@@ -32,13 +32,20 @@ from pathlib import Path
 
 class WorkerError(RuntimeError):
     """A rank failed. ``rank`` is the rank whose failure came first; ``traceback`` is
-    its traceback as text; ``failed`` maps every rank that failed to a one-line reason."""
+    its traceback as text; ``failed`` maps every rank that failed to a one-line reason.
+    About the first failure: ``reason`` is its whole message (``TypeError: ...``, every line),
+    ``where`` the line of the caller's own code it failed in (``Cell In[5], line 3, in ring``;
+    ``""`` if unknown), and ``last_lines`` what a rank that died without a Python exception
+    (killed by a signal) printed last."""
 
-    def __init__(self, message, rank=None, traceback="", failed=None):
+    def __init__(self, message, rank=None, traceback="", failed=None, reason="", where="", last_lines=""):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.failed = failed or {}
+        self.reason = reason or self.failed.get(rank, "")
+        self.where = where
+        self.last_lines = last_lines
 
 
 class WorkerTimeoutError(WorkerError):
@@ -83,6 +90,9 @@ class Report:
     time: float = 0.0  # time.monotonic() of the failure: the earliest is the cause
     consequence: bool = False  # it failed because a peer had died ("Connection closed by peer")
     hint: str = ""  # what to do about it, when we know
+    reason: str = ""  # the whole exception message, every line (``summary`` is its first line)
+    frame: tuple | None = None  # (file, line, function) of the caller's own code where it failed
+    last_lines: str = ""  # the end of what a rank that died without a word printed
 
     @property
     def ok(self) -> bool:
@@ -90,7 +100,8 @@ class Report:
 
     @classmethod
     def from_exception(cls, rank, e):
-        summary = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        reason = f"{type(e).__name__}: {e}".strip() if str(e) else type(e).__name__
+        summary = reason.splitlines()[0]
         return cls(
             rank,
             summary=summary,
@@ -98,19 +109,64 @@ class Report:
             time=time.monotonic(),
             consequence=any(text in summary for text in PEER_GONE),
             hint=_hint(e),
+            reason=reason,
+            frame=_callers_frame(e.__traceback__),
         )
 
     @classmethod
-    def from_exit_code(cls, rank, code):
-        """A process that died without a word (killed, ``os._exit``)."""
+    def from_exit_code(cls, rank, code, output=""):
+        """A process that died without a word (killed, ``os._exit``); ``output``: what it printed."""
         import signal
 
         how = f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
-        return cls(rank, summary=f"process {how} without a Python exception", time=time.monotonic())
+        noise = NoiseFilter() if output else None
+        kept = [line for line in output.splitlines() if line.strip() and noise.keep(line)] if output else []
+        return cls(rank, summary=f"process {how} without a Python exception", time=time.monotonic(),
+                   last_lines="\n".join(kept[-LAST_LINES:]))
 
 
+LAST_LINES = 5  # lines of a dead rank's output its report keeps (a C++ abort says why in its last ones)
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 DOUBLE_INIT = "trying to initialize the default process group twice"
+
+
+def _library_dirs():
+    """Folders of code that is not the caller's: the course's, Python's own, installed packages."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple(os.path.join(os.path.realpath(d), "") for d in {
+        os.path.dirname(os.path.abspath(__file__)), paths["stdlib"], paths["purelib"], paths["platlib"]})
+
+
+def _callers_frame(tb):
+    """(file, line, function) of the innermost frame of ``tb`` in the caller's own code (a notebook
+    cell, a script): the line a student wrote that failed, below which only libraries ran."""
+    libraries = _library_dirs()
+    found = None
+    for frame in traceback.extract_tb(tb):
+        path = os.path.realpath(frame.filename) if not frame.filename.startswith("<") else frame.filename
+        if not path.startswith(libraries) and not frame.filename.startswith("<frozen"):
+            found = (frame.filename, frame.lineno, frame.name)
+    return found
+
+
+def describe_frame(frame) -> str:
+    """``Cell In[5], line 3, in ring`` for code from a notebook cell (as IPython names it), else
+    ``file.py, line 3, in ring``; ``""`` for None."""
+    if frame is None:
+        return ""
+    filename, line, name = frame
+    label = None
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython() if "IPython" in sys.modules else None
+        label = shell.compile.format_code_name(filename) if shell is not None else None
+    except Exception:  # an old IPython, or none
+        pass
+    place = f"{label[0]} {label[1]}" if label else filename
+    return f"{place}, line {line}, in {name}"
 
 
 def _hint(e):
@@ -306,7 +362,12 @@ def collect(reports: dict, world_size: int, missing: str = "") -> list:
         causes = [r for r in errors if not errors[r].consequence] or list(errors)
         first = min(causes, key=lambda r: errors[r].time)
         cause = errors[first]
+        where = describe_frame(cause.frame)
         message = f"rank {first} of {world_size} failed: {cause.summary}"
+        if where:
+            message += f"\n(in {where})"
+        if cause.last_lines:
+            message += "\nIts last lines:\n" + "\n".join("  " + line for line in cause.last_lines.splitlines())
         if cause.hint:
             message += f"\n{cause.hint}"
         others = [r for r in sorted(errors) if r != first]
@@ -316,7 +377,8 @@ def collect(reports: dict, world_size: int, missing: str = "") -> list:
         if cause.traceback:
             message += f"\n\nTraceback from rank {first}:\n{cause.traceback}"
         failed = {r: e.summary for r, e in errors.items()}
-        raise WorkerError(message, rank=first, traceback=cause.traceback, failed=failed)
+        raise WorkerError(message, rank=first, traceback=cause.traceback, failed=failed,
+                          reason=cause.reason or cause.summary, where=where, last_lines=cause.last_lines)
     absent = [r for r in range(world_size) if r not in reports]
     if absent:
         raise WorkerError(f"rank(s) {', '.join(map(str, absent))} sent no result. {missing}".strip(), rank=absent[0])

@@ -17,9 +17,9 @@ from course.notebooks import make_student, solution_paths
 
 def _exercise_namespace(nb):
     """Run a notebook's exercise cells (those with solution markers) in a namespace with
-    the usual imports and the functions the notebook defines elsewhere (an answer may call
-    them, as in the notebook; they never replace an answer); return the namespace and the
-    check calls found in the notebook."""
+    the usual imports, the notebook's own imports and the functions and classes it defines elsewhere (an
+    answer may use them, as in the notebook; they never replace an answer); return the
+    namespace and the check calls found in the notebook."""
     namespace = {"torch": torch, "nn": nn, "dist": dist}
     answers = set()
     for cell in nb.cells:
@@ -35,7 +35,11 @@ def _exercise_namespace(nb):
         except SyntaxError:  # IPython syntax (!command, %magic): defines nothing an answer needs
             continue
         for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name not in answers:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):  # what an answer may use (Config, a model)
+                bound = {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+                if not bound & answers:  # an import after the exercise never replaces the answer
+                    exec(compile(ast.Module([node], []), "<notebook cell>", "exec"), namespace)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in answers:
                 try:
                     exec(compile(ast.Module([node], []), "<notebook cell>", "exec"), namespace)
                 except NameError:  # a default value from the notebook's state: not one an answer calls
@@ -105,8 +109,10 @@ def test_exercise_wrapper_names_feedback_and_handles_stubs_and_failed_ranks():
     assert demo(2).status == "wrong" and demo(2).exercise == "Exercise 9 (demo)"
     assert demo(...).status == "todo" and demo(None).status == "todo"
     failed = demo("launch")
-    assert failed.status == "wrong" and "a rank failed" in failed.message and "boom" in failed.message
+    assert failed.status == "wrong" and "a rank failed: ValueError: boom on" in failed.message
+    assert "(rank 0, in your code at" in failed.message or "(rank 1, in your code at" in failed.message
     assert demo.hint() == "💡 Exercise 9 (demo): think about it."
+    assert demo.hint()._repr_markdown_() == "💡 **Exercise 9 (demo)**: think about it."
     assert "no stored solution" in demo.solution()
 
     @exercise("Exercise 10 (broken check)", hint="-")

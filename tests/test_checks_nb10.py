@@ -7,6 +7,7 @@ from torch.distributed import all_reduce  # as a notebook may import it: the che
 
 from course import collectives
 from course.checks import nb10
+from course.data_parallel import OverlapPerParameter, replicate, trainable
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,16 @@ from course.checks import nb10
 def test_predicted_bytes_rejects_wrong_answers(naive, ring, hint):
     feedback = nb10.predicted_bytes(naive, ring)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+    if naive == 3_000_000:  # the feedback says which of the two numbers is right
+        assert "first number (naive, rank 0) is right" in feedback.message, feedback
+    elif ring == 1_500_000 and isinstance(naive, int):
+        assert "second (ring, every rank) is right" in feedback.message, feedback
+
+
+def test_predicted_bytes_addresses_both_numbers_when_both_are_wrong():
+    feedback = nb10.predicted_bytes(1_000_000, 750_000)
+    assert feedback.status == "wrong"
+    assert "to *each* of the other 3 ranks" in feedback.message and "only the reduce-scatter" in feedback.message
 
 
 # ------------------------------------------------------------------ plausible wrong ring all-reduces
@@ -166,17 +177,19 @@ def test_ring_all_reduce_accepts_the_packages_ring():
 
 class _AfterBackward:
     def __init__(self, model):
+        replicate(model)
         self.model = model
 
     def finish(self):
-        for p in self.model.parameters():
+        for p in trainable(self.model):
             p.grad /= dist.get_world_size()
             dist.all_reduce(p.grad)
 
 
 class _Blocking:
     def __init__(self, model):
-        for p in model.parameters():
+        replicate(model)
+        for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p):
@@ -193,10 +206,17 @@ class _WaitsInTheHook(_Blocking):
         dist.all_reduce(p.grad, async_op=True).wait()  # async in name only: backward waits here
 
 
+class _WaitsForTheFutureInTheHook(_Blocking):
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        dist.all_reduce(p.grad, async_op=True).get_future().wait()  # the same, through the future
+
+
 class _NoWait:
     def __init__(self, model):
+        replicate(model)
         self.pending = []
-        for p in model.parameters():
+        for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p):
@@ -220,12 +240,13 @@ class _NoAverage(_NoWait):
 class _HookTwice(_NoAverage):
     def __init__(self, model):
         super().__init__(model)
-        for p in model.parameters():
+        for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
 
 
 class _OnlyWeights(_NoAverage):
     def __init__(self, model):
+        replicate(model)
         self.pending = []
         for name, p in model.named_parameters():
             if name.endswith("weight"):
@@ -236,22 +257,92 @@ class _OnlyWeights(_NoAverage):
         self.pending.append(dist.all_reduce(p.grad, async_op=True))
 
 
+class _AllAtTheLastGradient(_NoAverage):
+    """Async all-reduces started from a hook, during backward, but only once every gradient is ready."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.params, self.ready = trainable(model), []
+
+    def grad_ready(self, p):
+        self.ready.append(p)
+        if len(self.ready) == len(self.params):
+            for q in self.ready:
+                q.grad /= dist.get_world_size()
+                self.pending.append(dist.all_reduce(q.grad, async_op=True))
+            self.ready = []
+
+
+class _HooksEveryParameter(_NoAverage):
+    def __init__(self, model):
+        replicate(model)
+        self.pending = []
+        for p in model.parameters():  # the frozen one too
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+
+class _NoReplicate(OverlapPerParameter):
+    def __init__(self, model):
+        self.pending = []
+        for p in trainable(model):
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
         (_AfterBackward, "started after backward had returned"),
         (_Blocking, "pass async_op=True"),
         (_WaitsInTheHook, "during backward (in the hook)"),
+        (_WaitsForTheFutureInTheHook, "during backward (in the hook)"),
+        (_AllAtTheLastGradient, "started only after later gradients were ready"),
+        (_HooksEveryParameter, "a frozen parameter (requires_grad=False)"),
+        (_NoReplicate, "begin __init__ with replicate(model)"),
         (_NoWait, "must wait() for every all-reduce"),
         (_NoAverage, "divide each gradient by the world size"),
         (_HookTwice, "register the hook once per parameter"),
-        (_OnlyWeights, "one all-reduce per parameter per step"),
+        (_OnlyWeights, "one all-reduce per trainable parameter per step"),
         ("OverlapPerParameter", "write a class"),
     ],
 )
 def test_overlap_per_parameter_rejects_wrong_answers(answer, hint):
     feedback = nb10.overlap_per_parameter(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+class _WaitsForTheFuturesInFinish(_NoWait):
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        self.pending.append(dist.all_reduce(p.grad, async_op=True).get_future())
+
+    def finish(self):
+        torch.futures.wait_all(self.pending)
+        self.pending.clear()
+
+
+class _FutureOfTheWorkInFinish(_NoWait):
+    def finish(self):
+        for work in self.pending:
+            work.get_future().wait()
+        self.pending.clear()
+
+
+@pytest.mark.parametrize("answer", [OverlapPerParameter, _WaitsForTheFuturesInFinish, _FutureOfTheWorkInFinish])
+def test_overlap_per_parameter_accepts_right_answers(answer):
+    assert nb10.overlap_per_parameter(answer).status == "correct"
+
+
+class _Stub:
+    def __init__(self, model):
+        replicate(model)
+        ...
+
+    def finish(self):
+        ...
+
+
+def test_overlap_per_parameter_says_not_attempted_for_the_stub():
+    assert nb10.overlap_per_parameter(_Stub).status == "todo"
 
 
 class _ImportedAllReduce(_NoAverage):  # its finish() waits for every handle
@@ -270,3 +361,20 @@ def test_overlap_per_parameter_watches_an_all_reduce_imported_by_name():
     assert nb10.overlap_per_parameter(_ImportedAllReduce).status == "correct"
     feedback = nb10.overlap_per_parameter(_ImportedBlocking)
     assert feedback.status == "wrong" and "pass async_op=True" in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ the built-in, on another process group
+
+
+def _all_reduce_on_a_new_group(tensor):
+    dist.all_reduce(tensor, group=dist.new_group())  # the "traced" backend: its own recorder, not WORLD's
+
+
+def _all_reduce_on_a_gloo_group(tensor):
+    dist.all_reduce(tensor, group=dist.new_group(backend="gloo"))  # no recorder at all
+
+
+@pytest.mark.parametrize("answer", [_all_reduce_on_a_new_group, _all_reduce_on_a_gloo_group])
+def test_ring_all_reduce_rejects_the_built_in_on_another_group(answer):
+    feedback = nb10.ring_all_reduce(answer)
+    assert feedback.status == "wrong" and "another process group (dist.new_group)" in feedback.message, feedback

@@ -7,6 +7,14 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb11
+from course.fsdp import (
+    free_parameter,
+    fully_shard_by_hand,
+    gather_parameter,
+    reduce_scatter_gradients,
+    scaled_step,
+    shard_parameters,
+)
 from course.zero import flat_padded, zero1_step
 
 # ------------------------------------------------------------------ Exercise 1 (zero1_step)
@@ -87,6 +95,31 @@ def _never_steps(model, shard, optimizer):
     _gather(model, shard, grads)
 
 
+def _sums_gathered_gradients(model, shard, optimizer):
+    """Right numbers, wrong collective: every rank gathers every rank's whole gradient and sums."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    everyone = torch.empty(world_size * grads.numel())
+    dist.all_gather_into_tensor(everyone, grads)
+    total = everyone.view(world_size, -1).sum(0)
+    shard.grad = total.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _two_rank_partner(model, shard, optimizer):
+    """Right on 2 ranks only: swaps gradients with the one other rank, `1 - rank`."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    theirs = torch.empty_like(grads)
+    request = dist.isend(grads, 1 - rank)
+    dist.recv(theirs, 1 - rank)
+    request.wait()
+    shard.grad = (grads + theirs).chunk(world_size)[rank] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
 def _zero_grad_after_the_step(model, shard, optimizer):
     zero1_step(model, shard, optimizer)
     optimizer.zero_grad()  # shard.grad = None: harmless once the step is done
@@ -107,6 +140,8 @@ def _crashes(model, shard, optimizer):
         (_gathers_the_gradient, "the weights differ from DDP + Adam"),
         (_wrong_slice, "not this rank's slice"),
         (_crashes, "KeyError"),
+        (_sums_gathered_gradients, "all-gathered more than one slice per rank"),
+        (_two_rank_partner, "a rank failed"),
     ],
 )
 def test_zero1_step_rejects_wrong_answers(answer, hint):
@@ -118,7 +153,134 @@ def test_zero1_step_accepts_a_step_that_zeroes_the_gradient_afterwards():
     assert nb11.zero1_step(_zero_grad_after_the_step).status == "correct"
 
 
-# ------------------------------------------------------------------ Exercise 2 (bytes_per_rank)
+# ------------------------------------------------------------------ Exercise 2 (fully_shard_by_hand)
+
+
+def _never_frees(model, units):  # ZeRO-2: parameters whole all the time
+    shards = shard_parameters(model)
+    reduce_scatter_gradients(shards)
+    return shards
+
+
+def _hooks(model, units, before_backward=True, free_after_gradient=True):
+    shards = shard_parameters(model)
+    for p in shards:
+        free_parameter(p)
+    reduce_scatter_gradients(shards, free=free_after_gradient)
+    for unit in list(units) + [model]:
+        own = [p for p in unit.parameters() if p in shards]
+
+        def gather(*_, own=own):
+            for p in own:
+                if p.untyped_storage().nbytes() == 0:
+                    gather_parameter(p, shards[p])
+
+        def after_forward(module, args, output, own=own, gather=gather):
+            for p in own:
+                free_parameter(p)
+            if before_backward:
+                output.register_hook(gather)
+
+        unit.register_forward_pre_hook(gather)
+        unit.register_forward_hook(after_forward)
+    return shards
+
+
+def _no_gather_before_backward(model, units):
+    return _hooks(model, units, before_backward=False)
+
+
+def _keeps_parameters_after_backward(model, units):
+    return _hooks(model, units, free_after_gradient=False)
+
+
+def _gathers_everything_at_the_root(model, units):
+    return _hooks(model, [])  # the model is the only unit: every parameter whole for the whole forward
+
+
+def _returns_nothing(model, units):
+    fully_shard_by_hand(model, units)
+
+
+def _all_reduces(model, units):
+    shards = fully_shard_by_hand(model, units)
+    world_size = dist.get_world_size()
+    for p in shards:  # a second hook, after the reduce-scatter: an all-reduce of the whole gradient
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    for shard in shards.values():
+        shard.register_hook(lambda g: g)
+    model.register_forward_pre_hook(lambda m, a: dist.all_reduce(torch.zeros(world_size)))
+    return shards
+
+
+def test_fully_shard_by_hand_accepts_the_solution():
+    assert nb11.fully_shard_by_hand(fully_shard_by_hand).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_never_frees, "between forward and backward a unit's parameters were still whole"),
+        (_no_gather_before_backward, "gather each unit's parameters again before its backward"),
+        (_keeps_parameters_after_backward, "after the step some parameters were still whole"),
+        (_gathers_everything_at_the_root, "parameters of other units were whole too"),
+        (_returns_nothing, "return the {parameter: shard} dict"),
+        (_all_reduces, "you used all_reduce"),
+    ],
+)
+def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
+    feedback = nb11.fully_shard_by_hand(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3 (scaled_step)
+
+
+def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
+    def step(shards, optimizer, loss, scale):
+        (loss * scale).backward()
+        found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
+        if agree == "max":
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        elif agree == "sum":
+            dist.all_reduce(found)  # any nonzero count means an overflow somewhere: also right
+        elif agree == "rank 0":
+            dist.broadcast(found, 0)
+        if found.item():
+            if zero_on_skip:
+                optimizer.zero_grad()
+            return (scale / 2 if halve else scale), False
+        if unscale:
+            for s in shards.values():
+                s.grad /= scale
+        optimizer.step()
+        return scale, True
+
+    return step
+
+
+def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
+    assert nb11.scaled_step(scaled_step).status == "correct"
+    assert nb11.scaled_step(_scaler(agree="sum")).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_scaler(agree=None), "the ranks disagreed"),
+        (_scaler(agree="rank 0"), "was taken though a gradient held inf"),
+        (_scaler(unscale=False), "still scaled"),
+        (_scaler(zero_on_skip=False), "zero the gradients"),
+        (_scaler(halve=False), "halve it when the step is skipped"),
+        (lambda shards, optimizer, loss, scale: scale, "return (the new scale, whether the step was taken)"),
+    ],
+)
+def test_scaled_step_rejects_wrong_answers(answer, hint):
+    feedback = nb11.scaled_step(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 4 (bytes_per_rank)
 
 # P = 3,371 values (not a multiple of 4) in T = 4 tensors, 4 ranks
 RIGHT = {
@@ -168,7 +330,7 @@ def test_bytes_per_rank_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-# ------------------------------------------------------------------ Exercise 3 (checkpoint_sequential)
+# ------------------------------------------------------------------ Exercise 5 (checkpoint_sequential)
 
 
 def test_checkpoint_sequential_counts_are_measured():

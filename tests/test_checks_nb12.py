@@ -1,6 +1,7 @@
 """Notebook 12's checks reject plausible wrong answers with a specific hint."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from course.checks import nb12
@@ -71,9 +72,40 @@ def _backward_wrong_input_grad(ctx, grad_y):
     return grad_y @ w_local * 0.5, grad_y.T @ x_local, grad_y.sum(0)
 
 
+def _backward_all_reduces_then_averages(ctx, grad_y):  # the right values, and a needless all-reduce
+    x_local, w_local = ctx.saved_tensors
+    grad_y = grad_y.clone()
+    dist.all_reduce(grad_y)
+    grad_y /= dist.get_world_size()
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0)
+
+
+def _forward_gathers_x_and_w(ctx, x_local, w_local, bias):  # the whole layer on every rank: right, but not split
+    ctx.save_for_backward(x_local, w_local)
+    n = dist.get_world_size()
+    xs = [torch.empty_like(x_local) for _ in range(n)]
+    ws = [torch.empty_like(w_local) for _ in range(n)]
+    dist.all_gather(xs, x_local.contiguous())
+    dist.all_gather(ws, w_local.contiguous())
+    return torch.cat(xs, 1) @ torch.cat(ws, 1).T + bias
+
+
+def _forward_partner(ctx, x_local, w_local, bias):  # the other rank is 1 - rank: 2 ranks only
+    ctx.save_for_backward(x_local, w_local)
+    y = x_local @ w_local.T
+    theirs = torch.empty_like(y)
+    work = dist.isend(y, 1 - dist.get_rank())
+    dist.recv(theirs, 1 - dist.get_rank())
+    work.wait()
+    return y + theirs + bias
+
+
 @pytest.mark.parametrize(
     "forward, backward, hint",
     [
+        (_forward, _backward_all_reduces_then_averages, "backward communicates (all_reduce)"),
+        (_forward_gathers_x_and_w, _backward, "forward communicates all_gather"),
+        (_forward_partner, _backward, "forward communicates send"),
         (_forward_no_all_reduce, _backward, "only its own partial product"),
         (_forward_bias_on_every_rank, _backward, "counted 2 times"),
         (_forward_no_bias, _backward, "missing the bias"),
@@ -90,8 +122,9 @@ def test_row_parallel_rejects_wrong_answers(forward, backward, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_row_parallel_accepts_the_reference_on_4_ranks_too():
-    assert nb12.row_parallel(_forward, _backward, world_size=4).status == "correct"
+def test_row_parallel_accepts_the_reference_on_2_and_3_ranks():
+    assert nb12.ROW_PARALLEL_RANKS == (2, 3)
+    assert nb12.row_parallel(_forward, _backward).status == "correct"
 
 
 # ------------------------------------------------------------------ Exercise 2: predict the all-reduces
@@ -157,6 +190,10 @@ def _two_heads(block, mesh):  # 4 heads / 2 ranks, hard-coded
     block.n_heads = 2
 
 
+def _heads_by_world_size(block, mesh):  # the notebook's 4 heads on 2 ranks, 12 heads on 4: hard-coded per world size
+    block.n_heads = {2: 2, 4: 3}[mesh.size()]
+
+
 def _freeze_v(block):  # only v's weight gradient is wrong (missing): the check compares k and v too
     block.v.weight.requires_grad_(False)
 
@@ -165,9 +202,10 @@ def test_tensor_parallel_attention_rejects_wrong_answers():
     col, row = _styles()
     cases = [
         (_plan(col, col, col, row, set_heads=None), "set block.n_heads"),
-        (_plan(col, col, col, row, set_heads=_heads_per_rank_is_the_world_size), "block.n_heads is 4"),
-        (_plan(col, col, col, row, set_heads=_heads_halved), "block.n_heads is 6"),
+        (_plan(col, col, col, row, set_heads=_heads_per_rank_is_the_world_size), "6 heads on 2 ranks, each rank holds 3 whole heads, but block.n_heads is 2"),
+        (_plan(col, col, col, row, set_heads=_heads_halved), "6 heads on 3 ranks, each rank holds 2 whole heads, but block.n_heads is 3"),
         (_plan(col, col, col, row, set_heads=_two_heads), "block.n_heads is 2"),
+        (_plan(col, col, col, row, set_heads=_heads_by_world_size), "6 heads on 2 ranks, each rank holds 3 whole heads, but block.n_heads is 2"),
         (_plan(col, col, col, row, after=_freeze_v), "gradients of v.weight are not"),
         (_plan(col, col, col, col), "RowwiseParallel"),
         (_plan(row, row, row, row), "ColwiseParallel"),
@@ -180,8 +218,9 @@ def test_tensor_parallel_attention_rejects_wrong_answers():
         assert feedback.status == "wrong" and hint in feedback.message, (hint, feedback)
 
 
-def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_and_4_ranks():
+def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_3_and_4_ranks():
     col, row = _styles()
-    assert nb12.ATTENTION_CASES == [(2, 8, 4), (4, 24, 12)]  # 3 heads per rank on 4 ranks: != ranks, != 4 // 2
+    # two head counts on 2 ranks (no count per world size passes), 3 heads per rank on 4 ranks (!= ranks, != 4 // 2)
+    assert nb12.ATTENTION_CASES == [(2, 8, 4), (2, 12, 6), (3, 12, 6), (4, 24, 12)]
     feedback = nb12.tensor_parallel_attention(_plan(col, col, col, row))
     assert feedback.status == "correct", feedback

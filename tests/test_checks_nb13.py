@@ -5,25 +5,39 @@ import pytest
 from course.checks import nb13
 
 
-P, M = 4, 5  # Exercise 1's schedule: the bubble is (p - 1) / (m + p - 1) = 3/8
+P, M = 4, 5  # Exercise 1's first schedule: the bubble is (p - 1) / (m + p - 1) = 3/8
 
 
-@pytest.mark.parametrize("answer", [3 / 8, 0.375, 0.38])
+@pytest.mark.parametrize("answer", [lambda p, m: (p - 1) / (m + p - 1), lambda p, m: 1 - m / (m + p - 1)])
 def test_bubble_fraction_accepts_the_formula(answer):
     assert nb13.bubble_fraction(answer).status == "correct"
+
+
+def _stub(p, m):
+    ...
+
+
+def test_bubble_fraction_says_not_attempted_for_the_stub():
+    assert nb13.bubble_fraction(_stub).status == "todo"
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        ((P - 1) / M, "(p - 1) / m compares the idle time with the *busy* time"),
-        ((P - 1) / P, "bubble with a single micro-batch"),
-        ((P - 1) / (M + P), "off by one"),
-        (M / (M + P - 1), "*busy*"),
-        (37.5, "as a percentage"),
-        (0.1, "count how many forwards the forward phase lasts"),
-        ("3/8", "answer with a number"),
-        (True, "answer with a number"),
+        (lambda p, m: (p - 1) / m, "Megatron-LM and the Ultra-Scale Playbook call the bubble fraction"),
+        (lambda p, m: (p - 1) / p, "bubble with a single micro-batch"),
+        (lambda p, m: (p - 1) / (m + p), "off by one"),
+        (lambda p, m: m / (m + p - 1), "*busy*"),
+        (lambda p, m: 100 * (p - 1) / (m + p - 1), "as a percentage"),
+        (lambda p, m: 0.1, "count how many forwards the forward phase lasts"),
+        (lambda p, m: "3/8", "return a number"),
+        (3 / 8, "write a function of p (stages) and m (micro-batches)"),
+        # right at p = 4, m = 5 only: a constant, a table, a formula that fits one point
+        (lambda p, m: 3 / 8, "it matches at p = 4, m = 5 but not everywhere"),
+        (lambda p, m: {(4, 5): 0.375}[p, m], "your function fails for p = 1, m = 3: KeyError"),
+        (lambda p, m: (p - 1) / (2 * m - 2), "your function fails for p = 2, m = 1: ZeroDivisionError"),
+        (lambda p, m: (p - 1) ** 2 / 24, "it matches at p = 4, m = 5 but not everywhere"),
+        (lambda p, m: (m - 2) / (m + p - 1), "it matches at p = 4, m = 5 but not everywhere"),  # m and p swapped
     ],
 )
 def test_bubble_fraction_rejects_wrong_answers(answer, hint):
@@ -49,10 +63,11 @@ def test_bubble_fraction_rejects_wrong_answers(answer, hint):
     ],
 )
 def test_bubble_fraction_rejects_plausible_wrong_formulas(formula):
-    """With p = 4, m = 5 no plausible wrong formula lands within the check's tolerance of 3/8."""
-    value = eval(formula, {"p": P, "m": M})
-    assert abs(value - 3 / 8) > 0.02, formula
-    assert nb13.bubble_fraction(value).status == "wrong", formula
+    """With p = 4, m = 5 no plausible wrong formula lands within the check's tolerance of 3/8, and the other
+    schedules reject it too."""
+    assert abs(eval(formula, {"p": P, "m": M}) - 3 / 8) > 0.02, formula
+    answer = eval(f"lambda p, m: {formula}")
+    assert nb13.bubble_fraction(answer).status == "wrong", formula
 
 
 def _with_warmup(warmup_of, cooldown=True):

@@ -1,7 +1,8 @@
 """course.collectives (naive and ring all-reduce, the ring's two halves) equals torch.distributed's
 collectives on uneven sizes and 2-4 ranks and sends the bytes the 2(N-1)/N law says;
 course.data_parallel's three from-scratch DPs give DDP's weights on a model with several buckets,
-with unused parameters handled (find_unused_parameters=True) or rejected with a clear error;
+with unused parameters handled (find_unused_parameters=True) or rejected with a clear error, and are
+drop-ins for DDP (frozen parameters, tied weights, buffers, ranks initialised differently);
 and notebook 10 shows the same code as the package."""
 
 import inspect
@@ -156,14 +157,18 @@ def test_each_from_scratch_dp_gives_ddps_weights(kind, options, all_reduces_per_
     assert not torch.allclose(weights[0], Net().body[0][0].weight)  # training moved the weights
 
 
-def test_bucket_layout_follows_the_cap_in_reverse_order():
+def _layouts(rank, world_size):
     dp = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=0.02)
-    names = {p: n for n, p in Net().named_parameters()}
-    layout = [[dp.names[p] for p in b.params] for b in dp.buckets]
+    one = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=25)
+    return [[dp.names[p] for p in b.params] for b in dp.buckets], len(one.buckets)
+
+
+def test_bucket_layout_follows_the_cap_in_reverse_order():
+    layout, one = launch(_layouts, 1, show=None)[0]  # in a rank: the constructor broadcasts rank 0's model
+    names = [n for n, _ in Net().named_parameters()]
     assert layout[0] == ["head.bias", "head.weight", "body.4.0.bias", "body.4.0.weight", "body.3.0.bias", "body.3.0.weight"]
     assert len(layout) == 3 and sum(len(b) for b in layout) == len(names)
-    one = data_parallel.BucketedDataParallel(Net(), bucket_cap_mb=25)
-    assert len(one.buckets) == 1
+    assert one == 1
 
 
 @pytest.mark.parametrize("where", ["everywhere", "rank 0"])
@@ -189,6 +194,67 @@ def test_unused_parameters_without_find_unused_parameters_raise_a_clear_error():
     assert "find_unused_parameters=True" in message
 
 
+# ------------------------------------------------------------------ a drop-in for DDP on real models
+
+
+class DropIn(nn.Module):
+    """A model with one of what a real model has: a frozen parameter, a weight shared by two
+    layers, or buffers (BatchNorm's running statistics)."""
+
+    def __init__(self, feature):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        if feature == "frozen":
+            self.a.weight.requires_grad_(False)
+        if feature == "tied":
+            self.b.weight = self.a.weight
+        self.norm = nn.BatchNorm1d(8) if feature == "buffers" else nn.Identity()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(self.norm(torch.tanh(self.a(x))))))
+
+
+def _drop_in(rank, world_size, kind, feature):
+    torch.manual_seed(rank)  # ranks initialised differently: only rank 0's values may survive
+    model = DropIn(feature)
+    if kind == "ddp":
+        forward, finish = DDP(model), lambda: None
+    else:
+        forward, finish = model, getattr(data_parallel, kind)(model).finish
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own data
+    states = []  # after each step: every parameter and buffer
+    for step in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        nn.functional.mse_loss(forward(x), y).backward()
+        finish()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:  # a forward without gradients (train mode: BatchNorm still updates its statistics) ...
+            with torch.no_grad():
+                forward(torch.randn(16, 8, generator=g))  # ... after which DDP skips the next buffer broadcast
+        states.append([t.detach().clone() for t in model.state_dict().values()])
+    return states
+
+
+@pytest.mark.parametrize("feature", ["frozen", "tied", "buffers"])
+@pytest.mark.parametrize("kind", ["AllReduceAfterBackward", "OverlapPerParameter", "BucketedDataParallel"])
+def test_each_from_scratch_dp_is_a_drop_in_for_ddp_on_ranks_initialised_differently(kind, feature):
+    reference = launch(_drop_in, 2, "ddp", feature, show=None, timeout=120)
+    ours = launch(_drop_in, 2, kind, feature, show=None, timeout=120)
+    for rank in range(2):  # every parameter and buffer of every rank after every step, bit for bit (2 ranks: see above)
+        for step in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(ours[rank][step], reference[rank][step])), (rank, step)
+    torch.manual_seed(0)
+    initial = DropIn(feature).state_dict()
+    assert not torch.equal(ours[0][-1][1], initial["a.bias"])  # it trained
+    if feature == "frozen":
+        assert torch.equal(ours[1][-1][0], initial["a.weight"])  # rank 0's frozen weight, on rank 1 too
+    if feature == "buffers":  # after step 1 the ranks' statistics differ: no broadcast after the no_grad forward
+        mean = list(initial).index("norm.running_mean")
+        assert not torch.equal(ours[0][1][mean], ours[1][1][mean])
+
+
 # ------------------------------------------------------------------ the notebook shows the package's code
 
 NOTEBOOK = SOLUTIONS / "10_ddp_from_scratch.ipynb"
@@ -206,6 +272,8 @@ def _defining_cell(nb, name):
     "obj",
     [
         collectives.naive_all_reduce,
+        data_parallel.replicate,
+        data_parallel.trainable,
         data_parallel.AllReduceAfterBackward,
         data_parallel.OverlapPerParameter,
         data_parallel.Bucket,

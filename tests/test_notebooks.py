@@ -26,6 +26,19 @@ def test_student_notebook_is_exactly_what_the_generator_makes(name):
     assert committed == expected, f"notebooks/{name} is stale: run `python -m course build --no-execute`"
 
 
+def test_notebooks_carry_the_kernelspec_jupyterlab_writes():
+    """JupyterLab writes the kernel's own kernelspec (name, display name, language) into a notebook
+    when it starts the kernel; a different one stored makes the notebook open as modified (●). The
+    browser test (tests/test_browser.py) sees the opened notebook unmodified."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    written = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+    assert notebooks.KERNELSPEC == written
+    for path in [*SOLUTION_PATHS, *(STUDENT / name for name in NAMES)]:
+        assert nbformat.read(path, as_version=4).metadata["kernelspec"] == written, path
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_notebook_starts_with_badge_and_colab_install(name):
     nb = nbformat.read(SOLUTIONS / name, as_version=4)

@@ -1,11 +1,15 @@
 """Checks for notebook 10 (data parallelism from scratch: collectives by hand, then your own DDP)."""
 
+import contextlib
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import collectives, tracing
+from course import collectives, tracing, wire
+from course.data_parallel import trainable
 from course.exercises import correct, exercise, is_stub, replaced, todo, wrong
 from course.launcher import WorkerError, WorkerTimeoutError, launch
 
@@ -34,24 +38,36 @@ def predicted_bytes(naive_rank0, ring_per_rank):
     naive, ring = measured[0][0], measured[0][1]
     size = 4 * PREDICT_NUMEL
     assert all(r[1] == ring for r in measured)
-    if naive_rank0 != naive:
-        if naive_rank0 == size:
-            return wrong("rank 0 sends the sum back to *each* of the other 3 ranks, not once.")
-        if naive_rank0 == 2 * naive:
-            return wrong("count only what rank 0 sends: what it receives is what the others send.")
-        return wrong("in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them.")
-    if ring_per_rank == ring:
+    if naive_rank0 == naive and ring_per_rank == ring:
         return correct(
-            f"measured: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
+            f"counted: rank 0 sends {naive:,} bytes in the naive version, every rank {ring:,} in the ring, "
             f"2(N-1)/N = {ring / size} times the tensor."
         )
-    if ring_per_rank == ring / 2:
-        return wrong("that is only the reduce-scatter: the finished chunks still have to go around once more (all-gather).")
-    if ring_per_rank == 2 * (PREDICT_RANKS - 1) * size:
-        return wrong("in the ring a rank never sends the whole tensor: each step it sends one chunk, a quarter of it.")
-    if ring_per_rank == 2 * size:
-        return wrong("close: count the steps. Each phase takes N - 1 steps, not N.")
-    return wrong("the ring has 2(N - 1) steps, and at each step every rank sends one chunk, 1/N of the tensor.")
+    # Say something about each of the two numbers: a student who got one right must know which.
+    return wrong(f"your first number (naive, rank 0) {_naive_hint(naive_rank0, naive, size)}; "
+                 f"your second (ring, every rank) {_ring_hint(ring_per_rank, ring, size)}")
+
+
+def _naive_hint(answer, naive, size):
+    if answer == naive:
+        return "is right"
+    if answer == size:
+        return "is not: rank 0 sends the sum back to *each* of the other 3 ranks, not once"
+    if answer == 2 * naive:
+        return "is not: count only what rank 0 sends; what it receives is what the others send"
+    return "is not: in the naive version rank 0 receives the tensor from every other rank and sends the sum back to each of them"
+
+
+def _ring_hint(answer, ring, size):
+    if answer == ring:
+        return "is right."
+    if answer == ring / 2:
+        return "is not: that is only the reduce-scatter; the finished chunks still have to go around once more (all-gather)."
+    if answer == 2 * (PREDICT_RANKS - 1) * size:
+        return "is not: in the ring a rank never sends the whole tensor; each step it sends one chunk, a quarter of it."
+    if answer == 2 * size:
+        return "is close: count the steps. Each phase takes N - 1 steps, not N."
+    return "is not: the ring has 2(N - 1) steps, and at each step every rank sends one chunk, 1/N of the tensor."
 
 
 # ------------------------------------------------------------------ Exercise 2: the ring all-reduce
@@ -79,15 +95,39 @@ def _run_ring(rank, world_size, fn):
     for n in RING_SIZES:
         x = _values(rank, n)
         original = x.clone()
+        dist.barrier()  # the other ranks' earlier messages are not counted as this call's
         tracing.clear()
-        returned = fn(x)
+        with wire.measure() if wire.available() else _unmeasured() as on_wire:
+            returned = fn(x)
         ops = [e.op for e in tracing.collectives()]
         sent = sum(e.bytes for e in tracing.collectives() if e.op == "send")
         sent_to = sorted({e.root for e in tracing.collectives() if e.op == "send"})
         returned = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
         out.append({"n": n, "in": original, "after": x.clone(), "returned": returned, "ops": ops, "sent": sent,
-                    "sent_to": sent_to})
+                    "sent_to": sent_to, "messages": ops.count("send"), "wire": on_wire.sent})
     return out
+
+
+class _Unmeasured:
+    sent = None  # where course.wire cannot read the sockets (not Linux)
+
+
+def _unmeasured():
+    return contextlib.nullcontext(_Unmeasured())
+
+
+# What gloo adds to each message it sends, at most (measured: ~140 B per message, torch 2.15, Linux), and
+# to the call as a whole (a delayed acknowledgement, the barrier's last bytes).
+WIRE_PER_MESSAGE, WIRE_SLACK = 256, 1024
+
+
+def _hidden_traffic(row):
+    """Bytes this rank put on the wire that its traced sends on the default group do not explain
+    (a collective or a send on another process group), or 0."""
+    if row["wire"] is None:
+        return 0
+    extra = row["wire"] - row["sent"] - WIRE_PER_MESSAGE * row["messages"] - WIRE_SLACK
+    return max(extra, 0)
 
 
 def _expected(world_size, n):
@@ -133,6 +173,15 @@ def ring_all_reduce(fn, timeout=None):
             others = sorted({op for row in rows for op in row["ops"]} - {"send", "recv"})
             if others:
                 return wrong(f"build it from send and recv only; your function also called {', '.join(others)}.")
+            hidden = max(_hidden_traffic(r) for r in rows)
+            if hidden or (n >= world_size and not all(r["sent"] for r in rows)):
+                seen = (f"your ranks put {hidden:,} bytes more on the wire (measured on the sockets with course.wire) "
+                        "than their sends on the default process group carry" if hidden else
+                        "your ranks sent nothing on the default process group")
+                return wrong(
+                    f"{seen} (N = {world_size}, {n} elements): build the ring from dist.isend/dist.send and dist.recv "
+                    "on the default group, not from a collective on another process group (dist.new_group)."
+                )
             where = f"(N = {world_size} ranks, a tensor of {n} elements)"
             if all(torch.equal(r["in"], r["after"]) for r in rows) and all(
                 r["returned"] is not None and torch.equal(r["returned"], expected) for r in rows
@@ -175,13 +224,24 @@ def ring_all_reduce(fn, timeout=None):
 # ------------------------------------------------------------------ Exercise 3: overlap per parameter
 
 
-def exercise_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+def exercise_model(seed=0):
+    """What a real model has: a frozen parameter and a weight shared by two layers."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 4))
+    model[0].bias.requires_grad_(False)  # frozen: it gets no gradient
+    model[4].weight = model[2].weight  # tied: one tensor, one gradient
+    return model
+
+
+# How long a backward may wait for an all-reduce's future before the check calls it "waited in
+# backward" (a future handed out during backward is completed only once backward has returned, so an
+# answer that waits for it inside a hook would wait forever). Backward of this model takes milliseconds.
+FUTURE_WAIT_BOUND_S = 3
 
 
 class _Watched:
-    """An all-reduce's Work, which notes whether someone waited for it."""
+    """An all-reduce's Work, which notes whether someone waited for it during backward."""
 
     def __init__(self, work, log):
         self.work, self.log = work, log
@@ -193,33 +253,69 @@ class _Watched:
         return self.work.wait(*args, **kwargs)
 
     def get_future(self):
-        self.log["waited"] += 1  # fut.wait() or .then(...): the caller takes care of the result
-        return self.work.get_future()
+        # A future of our own, completed when backward has returned: fut.wait() or fut.value() inside a
+        # hook would wait for it (found by the timer below); fut.then(...) and torch.futures.wait_all work.
+        self.log["waited"] += 1
+        if not self.log["in backward"]:  # in finish(): the real one
+            return self.work.get_future()
+        future = torch.futures.Future()
+        self.log["futures"].append((self.work, future))
+        return future
 
     def __getattr__(self, name):
         return getattr(self.work, name)
 
 
+def _complete_futures(state):
+    """After backward: complete the futures handed out during it with their all-reduces' results."""
+    for work, future in state["futures"]:
+        if not future.done():
+            work.wait()
+            future.set_result(work.get_future().value())
+    state["futures"].clear()
+
+
+def _fail_waiting_futures(state):
+    if state["in backward"]:
+        state["problem"] = state["problem"] or "waited in backward"
+        for _, future in state["futures"]:
+            if not future.done():
+                future.set_exception(RuntimeError("waited for an all-reduce during backward"))
+
+
 def _run_overlap(rank, world_size, cls, steps=3):
     data = torch.Generator().manual_seed(rank)  # each rank its own data
     batches = [(torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)) for _ in range(steps)]
+    state = {"in backward": False, "launched": 0, "waited": 0, "problem": None, "futures": [], "ready": 0,
+             "launched in backward": 0, "late": 0}
 
     def train(model, forward, finish):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(trainable(model), lr=0.1, momentum=0.9)
         grads = None
         for x, y in batches:
-            state["in backward"] = True
-            nn.functional.mse_loss(forward(x), y).backward()
-            state["in backward"] = False
+            loss = nn.functional.mse_loss(forward(x), y)
+            state["in backward"], state["ready"], state["launched in backward"] = True, 0, 0
+            timer = threading.Timer(FUTURE_WAIT_BOUND_S, _fail_waiting_futures, (state,))
+            timer.start()
+            try:
+                loss.backward()
+            except RuntimeError:
+                if state["problem"] != "waited in backward":
+                    raise
+                return None, None
+            finally:
+                timer.cancel()
+                state["in backward"] = False
+            _complete_futures(state)
             finish()
             grads = grads or [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
             opt.step()
             opt.zero_grad()
         return grads, [p.detach().clone() for p in model.parameters()]
 
-    state = {"in backward": False, "launched": 0, "waited": 0, "problem": None}
-    reference = exercise_model()
+    reference = exercise_model(seed=rank)  # ranks initialised differently: DDP broadcasts rank 0's
     ddp = DDP(reference)
+    start = [p.detach().clone() for p in reference.parameters()]
     expected_grads, expected = train(reference, ddp, lambda: None)
 
     real_all_reduce = dist.all_reduce
@@ -229,31 +325,55 @@ def _run_overlap(rank, world_size, cls, steps=3):
             state["problem"] = state["problem"] or "after backward"
         elif not async_op:
             state["problem"] = state["problem"] or "synchronous"
+        elif state["ready"] > state["launched in backward"] + 1:  # more gradients ready than all-reduces started
+            state["late"] += 1
         state["launched"] += 1
+        state["launched in backward"] += state["in backward"]
         work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
         return _Watched(work, state) if async_op else work
 
+    model = exercise_model(seed=rank)
+    for p in trainable(model):  # registered before the answer's hooks, so they run first
+        p.register_post_accumulate_grad_hook(lambda p: state.__setitem__("ready", state["ready"] + 1))
     with replaced(dist, "all_reduce", watched_all_reduce, cls):
-        model = exercise_model()
-        dp = cls(model)
+        try:
+            dp = cls(model)
+        except RuntimeError as e:
+            if "does not require grad" in str(e) or "doesn't require gradient" in str(e):
+                return {"problem": "frozen"}
+            raise
+        same_start = all(torch.equal(p, q) for p, q in zip(model.parameters(), start))
         grads, weights = train(model, model, dp.finish)
-    n_params = len(list(model.parameters()))
     return {"grads": grads, "expected_grads": expected_grads, "weights": weights, "expected": expected,
             "problem": state["problem"], "launched": state["launched"], "waited": state["waited"],
-            "per_step": n_params * steps}
+            "per_step": len(trainable(model)) * steps, "late": state["late"], "same_start": same_start}
+
+
+def _untouched(cls):
+    """The student notebook's stub: finish() is ``...`` and __init__ only calls replicate(model)."""
+    init = getattr(cls, "__init__", None)
+    init_stub = is_stub(init) or getattr(getattr(init, "__code__", None), "co_names", None) == ("replicate",)
+    return init_stub and is_stub(getattr(cls, "finish", None))
 
 
 @exercise(
     "Exercise 3 (overlap per parameter)",
-    hint="in __init__, p.register_post_accumulate_grad_hook(self.grad_ready) for every parameter; in the hook, divide p.grad by the world size and keep the handle of dist.all_reduce(p.grad, async_op=True); in finish(), wait() for each handle and forget them.",
+    hint="in __init__, after replicate(model), p.register_post_accumulate_grad_hook(self.grad_ready) for every p in trainable(model); in the hook, divide p.grad by the world size and keep the handle of dist.all_reduce(p.grad, async_op=True); in finish(), wait() for each handle and forget them.",
 )
 def overlap_per_parameter(cls):
     """Exercise 3: a DP that starts one async all-reduce per gradient from a hook, and waits in finish()."""
     if not isinstance(cls, type):
         return wrong("write a class `OverlapPerParameter` with __init__(self, model) and finish(self).")
-    if all(is_stub(getattr(cls, name, None)) for name in ("__init__", "finish")):
+    if _untouched(cls):
         return todo()
-    result = launch(_run_overlap, 2, cls, show=None, timeout=60)[0]
+    results = launch(_run_overlap, 2, cls, show=None, timeout=60)
+    result = dict(next((r for r in results if r["problem"]), results[0]))
+    if result["problem"] is None:
+        result["late"] = sum(r["late"] for r in results)
+        result["same_start"] = all(r["same_start"] for r in results)
+    if result["problem"] == "frozen":
+        return wrong("a frozen parameter (requires_grad=False) gets no gradient, and registering a hook on it fails: "
+                     "hook only the parameters that train (trainable(model)).")
     if result["launched"] == 0:
         return wrong("no dist.all_reduce was called: start one for each gradient, from a hook registered on each parameter.")
     if result["problem"] == "after backward":
@@ -265,15 +385,30 @@ def overlap_per_parameter(cls):
         return wrong("you wait() for an all-reduce during backward (in the hook): backward stops there until it is "
                      "done, so nothing overlaps. Keep the handles and wait for them in finish().")
     if result["launched"] != result["per_step"]:
-        return wrong(f"expected one all-reduce per parameter per step ({result['per_step']} in 3 steps), "
-                     f"got {result['launched']}: register the hook once per parameter.")
+        return wrong(f"expected one all-reduce per trainable parameter per step ({result['per_step']} in 3 steps), "
+                     f"got {result['launched']}: register the hook once per parameter (a tied weight is one "
+                     "parameter: model.parameters() lists it once).")
+    if result["late"]:
+        return wrong("your all-reduces started during backward, but not as each gradient became ready: "
+                     f"{result['late']} of them started only after later gradients were ready (all at the last "
+                     "gradient?). Start each one from its own parameter's hook, so that it travels while autograd "
+                     "computes the earlier layers.")
+    if not result["same_start"]:
+        return wrong("the ranks start from different weights (the check initialises each rank differently): "
+                     "begin __init__ with replicate(model), which broadcasts rank 0's parameters and buffers, as DDP does.")
     if result["waited"] < result["launched"]:
         return wrong("finish() must wait() for every all-reduce before the optimizer uses the gradients; "
                      "a gradient still being all-reduced may be half-summed.")
-    got, expected = torch.cat([g.flatten() for g in result["grads"]]), torch.cat([g.flatten() for g in result["expected_grads"]])
+    pairs = list(zip(result["grads"], result["expected_grads"]))
+    if any((a is None) != (b is None) for a, b in pairs):
+        return wrong("after finish() the parameters that have a gradient differ from DDP's: a frozen parameter has "
+                     "none, every other parameter has one.")
+    got = torch.cat([a.flatten() for a, b in pairs if a is not None])
+    expected = torch.cat([b.flatten() for a, b in pairs if b is not None])
     if torch.allclose(got, 2 * expected, atol=1e-6):
         return wrong("all_reduce sums: divide each gradient by the world size to average it.")
     if not (torch.allclose(got, expected, atol=1e-6) and all(
             torch.allclose(a, b, atol=1e-6) for a, b in zip(result["weights"], result["expected"]))):
         return wrong("the gradients differ from DDP's: all-reduce p.grad itself (in place) and average it.")
-    return correct("one async all-reduce per gradient, started during backward; after 3 steps the same weights as DDP.")
+    return correct("one async all-reduce per gradient, each started as its gradient became ready; from ranks "
+                   "initialised differently, with a frozen and a tied parameter, after 3 steps the same weights as DDP.")

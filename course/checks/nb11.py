@@ -45,8 +45,11 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         step_fn(model, shard, optimizer)
         shard_grads.append(at_step[-1] if at_step else "no step")
     ops = sorted({e.op for e in tracing.collectives()})
+    shard_bytes = shard.numel() * shard.element_size()
+    gathered = max((e.bytes for e in tracing.collectives() if e.op.startswith("all_gather")), default=0)
     flat = torch.nn.utils.parameters_to_vector
     return {
+        "gathers_more_than_a_shard": gathered > shard_bytes,
         "weights": flat(model.parameters()).detach(),
         "ddp": flat(ddp_model.parameters()).detach(),
         "flat_grads": flat_grads,
@@ -61,8 +64,17 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     hint="reduce_scatter_tensor the flat gradients into a tensor shaped like `shard`, divide by the world size, "
     "set it as shard.grad, step, then all_gather_into_tensor the shards and copy them into the parameters in order.",
 )
-def zero1_step(fn, world_size=2):
-    """Exercise 1: one ZeRO-1 update (reduce-scatter, step on my slice, all-gather)."""
+def zero1_step(fn, world_sizes=(2, 3)):
+    """Exercise 1: one ZeRO-1 update (reduce-scatter, step on my slice, all-gather), on 2 ranks
+    and on 3 (where the 53 values need padding and no rank has a single partner)."""
+    for world_size in world_sizes:
+        feedback = _judge_zero1(fn, world_size)
+        if feedback.status != "correct":
+            return feedback
+    return feedback
+
+
+def _judge_zero1(fn, world_size):
     results = launch(_zero1_run, world_size, fn, show=None, timeout=120, backend="traced")
     first = results[0]
     n = first["weights"].numel()
@@ -85,7 +97,11 @@ def zero1_step(fn, world_size=2):
                      "gradient summed over ranks (reduce_scatter_tensor does that), divided by the world size.")
     if "all_reduce" in first["ops"]:
         return wrong("you used all_reduce: every rank then receives the whole summed gradient, but it only updates "
-                     "its own slice. reduce_scatter_tensor gives each rank just its slice (half an all-reduce's traffic).")
+                     "its own slice. reduce_scatter_tensor gives each rank just its slice (in a ring, half an all-reduce's bytes).")
+    if first["gathers_more_than_a_shard"]:
+        return wrong("you all-gathered more than one slice per rank (whole gradients, summed on every rank?): each "
+                     "rank then receives N whole vectors. reduce_scatter_tensor gives each rank its slice of the sum, "
+                     "and the all-gather afterwards moves only the updated slices.")
     if not all(torch.equal(r["weights"], first["weights"]) for r in results):
         return wrong("the ranks end with different weights: each rank updated only its own slice. all_gather the "
                      "updated shards and copy the result into every parameter.")
@@ -93,11 +109,217 @@ def zero1_step(fn, world_size=2):
         return wrong("the weights differ from DDP + Adam: check how you copy the gathered vector back "
                      "(parameters in model.parameters() order, each p.numel() values, view_as(p)), "
                      "and that you gather shard itself (the updated weights), not its gradient.")
-    return correct(f"{world_size} ranks, 3 Adam steps: the same weights as DDP, with Adam's state for "
-                   f"{first['state_bytes']} bytes per rank instead of {8 * n + 16}.")
+    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP, with Adam's state for "
+                   f"{first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}.")
 
 
-# ------------------------------------------------------------------ Exercise 2
+# ------------------------------------------------------------------ Exercise 2 (the FSDP unit)
+
+
+def _unit_models():
+    """[(model, units)]: one with a frozen parameter and shards of uneven size (on 2 and 3 ranks),
+    one with a weight tied between two units and a layer in no unit (the root's)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    a[2].bias.requires_grad_(False)
+    torch.manual_seed(1)
+    b = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 3))
+    b[4].weight = b[2].weight
+    return [(a, [a[0], a[2], a[4]]), (b, [b[0], b[2], b[4]])]
+
+
+def _whole(params):
+    return [i for i, p in enumerate(params) if p.untyped_storage().nbytes() > 0]
+
+
+def _needed_whole(t):
+    if t.untyped_storage().nbytes() == 0:
+        raise RuntimeError("backward needed a parameter whose memory was freed: gather each unit's parameters "
+                           "again before its backward")
+    return t
+
+
+def _fsdp_run(rank, world_size, fn, steps=2):
+    from course.fsdp import gather_parameter
+
+    out = []
+    for index, ((reference, _), (model, units)) in enumerate(zip(_unit_models(), _unit_models())):
+        ddp = DDP(reference)
+        ddp_optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
+        tracing.clear()
+        shards = fn(model, units)
+        if not isinstance(shards, dict) or not all(isinstance(s, torch.Tensor) for s in shards.values()):
+            return [{"error": "return the {parameter: shard} dict that shard_parameters(model) gives."}]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        in_units = {p for u in units for p in u.parameters()}
+        rest = {i for i, p in enumerate(trainable) if p not in in_units}
+        seen = {"forward": [], "between": [], "rest": [], "expected": []}
+        for u in units:  # registered after the answer's hooks, so they run after them
+            expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
+
+            def look(module, args, expected=expected):
+                seen["forward"].append(_whole(trainable))
+                seen["expected"].append(expected)
+
+            u.register_forward_pre_hook(look)
+        optimizer = torch.optim.Adam(shards.values(), lr=0.1)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+            ddp_optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            ddp_optimizer.step()
+            tracing.clear()
+            optimizer.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _needed_whole):
+                loss = nn.functional.mse_loss(model(x), y)
+            seen["between"].append(_whole(trainable))
+            loss.backward()
+            optimizer.step()
+            seen["rest"].append(_whole(trainable))
+            ops = {e.op for e in tracing.collectives()}
+        for p, shard in shards.items():
+            gather_parameter(p, shard)
+        difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
+        out.append({**seen, "rest_units": sorted(rest), "ops": ops, "difference": difference, "model": index})
+    return out
+
+
+@exercise(
+    "Exercise 2 (fully_shard_by_hand)",
+    hint="shards = shard_parameters(model); free every sharded parameter; reduce_scatter_gradients(shards, free=True). "
+    "For each unit (and the model, for the parameters of no unit): a forward pre-hook that gathers the unit's "
+    "sharded parameters, a forward hook that frees them and registers a hook on the output that gathers them "
+    "again (it runs when backward reaches the unit). Return shards.",
+)
+def fully_shard_by_hand(fn, world_sizes=(2, 3)):
+    """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
+    for world_size in world_sizes:
+        results = launch(_fsdp_run, world_size, fn, show=None, timeout=120, backend="traced")
+        for r in results[0]:
+            if "error" in r:
+                return wrong(r["error"])
+        for r in (r for rank in results for r in rank):
+            what = "the model with a frozen parameter" if r["model"] == 0 else "the model with a tied weight"
+            if any(set(w) - set(r["rest_units"]) for w in r["between"]):
+                return wrong(f"{what}: between forward and backward a unit's parameters were still whole: free them "
+                             "right after the unit's forward (and gather them again before its backward).")
+            if any(r["rest"]):
+                return wrong(f"{what}: after the step some parameters were still whole: free each one as soon as its "
+                             "gradient has been reduce-scattered (reduce_scatter_gradients(shards, free=True)).")
+            for whole, expected in zip(r["forward"], r["expected"]):
+                if set(whole) - set(expected):
+                    return wrong(f"{what}: during a unit's forward, parameters of other units were whole too: gather "
+                                 "a unit's parameters just before its own forward, and free them after it.")
+                if set(expected) - set(whole):
+                    return wrong(f"{what}: a unit ran its forward without all of its parameters whole: gather "
+                                 "them in a forward pre-hook.")
+            if "all_reduce" in r["ops"]:
+                return wrong("you used all_reduce for the gradients: reduce-scatter them, each rank keeps its slice.")
+            if r["difference"] > 1e-6:
+                return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
+                             "start from shard_parameters(model) and let the optimizer step on the shards.")
+    return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight: each unit whole only "
+                   "around its forward and its backward, and the same weights as DDP + Adam.")
+
+
+# ------------------------------------------------------------------ Exercise 3 (the loss scaler)
+
+
+def _scaler_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4))
+    return model, [model[0], model[2]]
+
+
+def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
+    """Train with ``fn`` as the loss-scaled step. An overflow is injected into one rank's gradient
+    (what float16 does when the scale is too large) at elements that another rank owns."""
+    from course.fsdp import fully_shard_by_hand
+
+    model, units = _scaler_model()
+    shards = fully_shard_by_hand(model, units)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.1)
+    at_step = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
+        [s.grad.clone() for s in shards.values()]))
+    weight = model[0].weight  # 96 values: rank r owns elements r * ceil(96 / N) ...
+    per_rank = -(-weight.numel() // world_size)
+    # step: (the rank whose gradient overflows, a flat element owned by another rank)
+    overflow = {0: (0, (world_size - 1) * per_rank), 2: (world_size - 1, 0)}
+    step_now = [0]
+
+    def inject(grad):
+        who, element = overflow.get(step_now[0], (None, None))
+        if who == rank:
+            grad = grad.clone()
+            grad.view(-1)[element] = float("inf")
+        return grad
+
+    weight.register_hook(inject)
+    verdicts = []
+    for step in range(steps):
+        step_now[0] = step
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        at_step.clear()
+        answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            return {"error": "return (the new scale, whether the step was taken)."}
+        scale, stepped = answer
+        verdicts.append((float(scale), bool(stepped), at_step[0] if at_step else None))
+    return {"verdicts": verdicts, "masters": torch.cat([s.detach() for s in shards.values()])}
+
+
+def _scaler_pair(rank, world_size, fn, reference):
+    return _scaler_run(rank, world_size, fn), _scaler_run(rank, world_size, reference)
+
+
+@exercise(
+    "Exercise 3 (scaled_step)",
+    hint="backward on loss * scale; found = 1.0 if any of this rank's shard gradients is not finite; "
+    "dist.all_reduce(found, op=dist.ReduceOp.MAX); if found: optimizer.zero_grad() and return (scale / 2, False); "
+    "else divide every shard's gradient by scale, optimizer.step(), return (scale, True).",
+)
+def scaled_step(fn, world_sizes=(2, 3)):
+    """Exercise 3: a loss-scaled step whose verdict every rank shares."""
+    from course.fsdp import scaled_step as reference
+
+    for world_size in world_sizes:
+        both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
+        mine, right = [m for m, _ in both], [r for _, r in both]
+        if "error" in mine[0]:
+            return wrong(mine[0]["error"])
+        for step, verdicts in enumerate(zip(*(r["verdicts"] for r in mine))):
+            if len({(scale, stepped) for scale, stepped, _ in verdicts}) > 1:
+                return wrong(f"on {world_size} ranks, at step {step} the ranks disagreed (skipped or not, or the scale): "
+                             "each rank sees only its own shards, so an overflow on one is invisible to the others. "
+                             "Agree on one verdict: all-reduce the found-inf flag with ReduceOp.MAX.")
+        for step, ((scale, stepped, grads), (right_scale, right_stepped, right_grads)) in enumerate(
+                zip(mine[0]["verdicts"], right[0]["verdicts"])):
+            if stepped and not right_stepped:
+                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held inf: look at every "
+                             "rank's verdict, not one rank's.")
+            if stepped != right_stepped:
+                return wrong(f"step {step} was skipped though no gradient overflowed in it: did an earlier step's inf "
+                             "stay in the gradients? When you skip a step, zero the gradients (optimizer.zero_grad()).")
+            if scale != right_scale:
+                return wrong(f"after step {step} the scale is {scale:g}, expected {right_scale:g}: halve it when the "
+                             "step is skipped, keep it otherwise.")
+            if stepped and grads is not None and not all(torch.allclose(a, b) for a, b in zip(grads, right_grads)):
+                return wrong("the gradients the optimizer stepped on are still scaled: divide them by the scale first.")
+        for a, b in zip(mine, right):
+            if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
+                return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
+                             "(optimizer.zero_grad()), or they are added into the next step's.")
+    return correct("2 and 3 ranks, an overflow on one rank in another rank's slice: every rank skipped the same "
+                   "steps, with one scale.")
+
+
+# ------------------------------------------------------------------ Exercise 4
 
 STAGES = (0, 1, 3)
 KINDS = ("parameters", "gradients", "optimizer")
@@ -177,12 +399,12 @@ def _plausible_mistakes(world_size=4):
 
 
 @exercise(
-    "Exercise 2 (bytes_per_rank)",
+    "Exercise 4 (bytes_per_rank)",
     hint="P = 3,371 values in 4 tensors, 4 bytes each; Adam: 2 values per parameter value + a 4-byte step per "
     "tensor it updates. ZeRO-1 shards only Adam's state (over a flat, padded vector); FSDP2 shards each tensor by rows.",
 )
 def bytes_per_rank(stage0, stage1, stage3):
-    """Exercise 2: rank 0's bytes of parameters, gradients and optimizer state for stages 0, 1 and 3."""
+    """Exercise 4: rank 0's bytes of parameters, gradients and optimizer state for stages 0, 1 and 3."""
     predicted = {0: stage0, 1: stage1, 3: stage3}
     for stage in STAGES:
         entry = predicted[stage]
@@ -205,7 +427,7 @@ def bytes_per_rank(stage0, stage1, stage3):
     return wrong(f"{len(off)} of the 9 numbers are off, the first: stage {stage}, {kind}.")
 
 
-# ------------------------------------------------------------------ Exercise 3
+# ------------------------------------------------------------------ Exercise 5
 
 
 def _blocks(n=4, d=128, h=512):
@@ -239,12 +461,12 @@ def checkpoint_sequential_counts(segments=3, batch=32):
 
 
 @exercise(
-    "Exercise 3 (checkpoint_sequential)",
+    "Exercise 5 (checkpoint_sequential)",
     hint="segment size = len(model) // segments; all segments but the last are checkpointed; "
     "the last runs normally, whatever its length. Per normal block: input 16 KiB, GELU input 64, GELU output 64.",
 )
 def checkpoint_sequential(forward_calls, saved_kib):
-    """Exercise 3: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
+    """Exercise 5: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
     calls, kib = checkpoint_sequential_counts()
     try:
         forward_calls = [int(c) for c in forward_calls]

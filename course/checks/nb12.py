@@ -31,10 +31,15 @@ def _row_parallel_run(rank, world_size, forward, backward):
     x_local = x.chunk(world_size, 1)[rank].clone().requires_grad_()
     w_local = full.weight.detach().chunk(world_size, 1)[rank].clone().requires_grad_()
     bias = full.bias.detach().clone().requires_grad_()
+    tracing.clear()
     y = RowParallelLinearFn.apply(x_local, w_local, bias)
     if not isinstance(y, torch.Tensor) or y.shape != (BATCH, OUT):
         return {"bad_output": repr(type(y)) if not isinstance(y, torch.Tensor) else str(tuple(y.shape))}
+    forward_ops = [(e.op, e.bytes) for e in tracing.collectives()]
+    tracing.clear()
     (y * upstream).sum().backward()
+    tracing.wait_all()
+    backward_ops = [(e.op, e.bytes) for e in tracing.collectives()]
     grads = [x_local.grad, w_local.grad, bias.grad]
     refs = [x_full.grad.chunk(world_size, 1)[rank], full.weight.grad.chunk(world_size, 1)[rank], full.bias.grad]
     return {
@@ -44,6 +49,8 @@ def _row_parallel_run(rank, world_size, forward, backward):
         "bias": full.bias.detach(),
         "grads": [None if g is None else g.detach() for g in grads],
         "refs": refs,
+        "forward_ops": forward_ops,
+        "backward_ops": backward_ops,
     }
 
 
@@ -56,9 +63,22 @@ def _close(a, b):
     hint="forward: this rank's partial product, summed over the ranks, plus the bias once; "
     "backward: every rank already holds the whole ∂L/∂y, so each gradient is one local matrix product.",
 )
-def row_parallel(forward, backward, world_size=2):
+def row_parallel(forward, backward):
     """Exercise 1: a row-parallel linear layer as one autograd Function (forward and backward)."""
-    results = launch(_row_parallel_run, world_size, forward, backward, show=None, timeout=60)
+    for world_size in ROW_PARALLEL_RANKS:
+        feedback = _judge_row_parallel(launch(_row_parallel_run, world_size, forward, backward, backend="traced",
+                                              show=None, timeout=60), world_size)
+        if feedback is not None:
+            return feedback
+    return correct(f"{' and '.join(map(str, ROW_PARALLEL_RANKS))} ranks: the output and all three gradients equal "
+                   "the unsplit layer's, with one all-reduce of the output in forward and no communication in backward.")
+
+
+ROW_PARALLEL_RANKS = (2, 3)  # 3 ranks: a partner hard-coded as 1 - rank, or halves, fail there
+
+
+def _judge_row_parallel(results, world_size):
+    """The feedback for one world size, or None if every rank got it right."""
     r = results[0]
     if "bad_output" in r:
         return wrong(f"forward must return the layer's output, a ({BATCH}, {OUT}) tensor; it returned {r['bad_output']}.")
@@ -86,7 +106,19 @@ def row_parallel(forward, backward, world_size=2):
             if not _close(grad, ref):
                 return wrong(f"the gradient of {name} is wrong; with y = x_local @ w_local.T + b: "
                              "∂L/∂x_local = g @ w_local, ∂L/∂w_local = g.T @ x_local, ∂L/∂b = g summed over the batch.")
-    return correct(f"{world_size} ranks: the output and all three gradients equal the unsplit layer's.")
+    output_bytes = BATCH * OUT * 8  # float64
+    for q in results:
+        forward_ops, backward_ops = q["forward_ops"], q["backward_ops"]
+        if backward_ops:
+            ops = ", ".join(op for op, _ in backward_ops)
+            return wrong(f"the values are right, but backward communicates ({ops}): ∂L/∂y is already the same whole "
+                         "tensor on every rank, so every gradient is local; an all-reduce there only costs time.")
+        if forward_ops != [("all_reduce", output_bytes)]:
+            ops = ", ".join(f"{op} of {nbytes} B" for op, nbytes in forward_ops) or "nothing"
+            return wrong(f"the values are right on {world_size} ranks, but forward communicates {ops}: a row-parallel layer "
+                         f"needs exactly one all_reduce, of its output's partial sums ({output_bytes} B here), not the "
+                         "input or the weight, and not point-to-point messages to a fixed partner.")
+    return None
 
 
 # ------------------------------------------------------------------ Exercise 2: predict the all-reduces
@@ -157,10 +189,10 @@ def tp_all_reduces(forward_all_reduces, backward_all_reduces, bytes_per_all_redu
 
 
 SEQ = 5
-# (ranks, features, heads): the notebook's 4 heads on 2 ranks, then 12 heads on 4 ranks (3 per rank), so that
-# neither heads per rank == ranks (n_heads = mesh.size()) nor a count hard-coded for 2 ranks (n_heads //= 2,
-# n_heads = 2) passes.
-ATTENTION_CASES = [(2, 8, 4), (4, 24, 12)]
+# (ranks, features, heads): the notebook's 4 heads on 2 ranks, 6 heads on 2 and on 3 ranks, 12 heads on 4 ranks
+# (3 per rank), so that neither heads per rank == ranks (n_heads = mesh.size()), nor a count hard-coded for 2 ranks
+# (n_heads //= 2, n_heads = 2), nor one hard-coded per world size ({2: 2, 4: 3}[mesh.size()]) passes.
+ATTENTION_CASES = [(2, 8, 4), (2, 12, 6), (3, 12, 6), (4, 24, 12)]
 PROJECTIONS = ("q", "k", "v", "out")
 
 

@@ -41,13 +41,39 @@ def _reference_grads(batch):
 
 # ------------------------------------------------------------------ Exercise 1
 
-# The schedule whose bubble the student predicts. m = 5 keeps the answer, 3/8, apart from plausible wrong
+# The (p, m) the notebook's text names first. m = 5 keeps the answer, 3/8, apart from plausible wrong
 # formulas (m = 6 gave 1/3, which 1/(p - 1) and (p - 2)/m also give; m = p would accept m and p swapped).
 P1, M1 = 4, 5
+# Then more schedules, so that only a formula right for every p and m passes (one that matches a single
+# point, a constant, a table of answers, does not): one stage, one micro-batch, m < p, m > p, large p.
+POINTS = [(P1, M1), (1, 3), (2, 1), (2, 7), (3, 4), (8, 3), (5, 16)]
 
 
 def _is_number(answer):
     return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
+
+
+def _gpipe_bubble(p, m):
+    return bubble(simulate([gpipe_order(m)] * p))  # the bubble is a property of the order
+
+
+def _hint_at(value, p, m):
+    """A specific hint for a wrong value at (p, m), or None."""
+    right = _gpipe_bubble(p, m)
+    close = lambda other: abs(value - other) < 0.01
+    if 1 < value <= 100 and abs(value / 100 - right) < 0.01:
+        return "right number, but as a percentage: give the fraction (between 0 and 1)."
+    if m and close((p - 1) / m):
+        return ("(p - 1) / m is the bubble divided by the *ideal* (busy) time of a stage: what Megatron-LM and the "
+                "Ultra-Scale Playbook call the bubble fraction. Here the question is the fraction of the whole step, "
+                "which is longer than the busy time by exactly the idle time.")
+    if close((p - 1) / p) and m > 1:
+        return "that is the bubble with a single micro-batch: with m micro-batches the stages overlap."
+    if close((p - 1) / (m + p)):
+        return "off by one: the last stage starts its first forward p - 1 forwards after stage 0, not p."
+    if close(1 - right):
+        return "that is the fraction of the step a stage is *busy*; the bubble is the idle part."
+    return None
 
 
 @exercise(
@@ -55,33 +81,33 @@ def _is_number(answer):
     hint="draw it: how long does the forward phase last, from stage 0's first forward to the last stage's "
     "last forward (count forwards), how long the backward phase, and how much of that is a stage working?",
 )
-def bubble_fraction(answer):
-    """Exercise 1: the fraction of a GPipe step each stage is idle, for p = 4 stages, m = 5 micro-batches."""
-    if not _is_number(answer):
-        return wrong("answer with a number between 0 and 1, e.g. 0.25 or 1/4.")
-    measured = bubble(simulate([gpipe_order(M1)] * P1))  # the bubble is a property of the order
-    close = lambda value: abs(answer - value) < 0.01
-    if close(measured):
-        return correct(
-            f"GPipe's order on {P1} stages with {M1} micro-batches, replayed in logical time, leaves each stage "
-            f"idle {measured:.3f} of the step: (p - 1) / (m + p - 1) = {P1 - 1}/{M1 + P1 - 1}."
-        )
-    if 1 < answer <= 100 and abs(answer / 100 - measured) < 0.01:
-        return wrong("right number, but as a percentage: give the fraction (between 0 and 1).")
-    if close((P1 - 1) / M1):
-        return wrong(
-            "(p - 1) / m compares the idle time with the *busy* time. The bubble is a fraction of the "
-            "whole step, and the step is longer than the busy time by exactly the idle time."
-        )
-    if close((P1 - 1) / P1):
-        return wrong(f"that is the bubble with a single micro-batch: with {M1} micro-batches the stages overlap.")
-    if close((P1 - 1) / (M1 + P1)):
-        return wrong("off by one: the last stage starts its first forward p - 1 forwards after stage 0, not p.")
-    if close(1 - measured):
-        return wrong("that is the fraction of the step a stage is *busy*; the bubble is the idle part.")
-    return wrong(
-        "each stage works m forwards and m backwards; count how many forwards the forward phase lasts "
-        "(until the last micro-batch leaves the last stage) and how many backwards the backward phase."
+def bubble_fraction(fn):
+    """Exercise 1: the fraction of a GPipe step each stage is idle, as a function of p stages and m micro-batches."""
+    if not callable(fn):
+        return wrong("write a function of p (stages) and m (micro-batches) that returns the idle fraction, "
+                     "e.g. def gpipe_bubble(p, m): return ...")
+    for p, m in POINTS:
+        try:
+            value = fn(p, m)
+        except Exception as e:  # ZeroDivisionError for p = 1 or m = 1, a KeyError from a table...
+            return wrong(f"your function fails for p = {p}, m = {m}: {type(e).__name__}: {e}. It must work for any "
+                         "number of stages and micro-batches.")
+        if not _is_number(value):
+            return wrong(f"for p = {p}, m = {m} your function returned {value!r}: return a number between 0 and 1.")
+        right = _gpipe_bubble(p, m)
+        if abs(value - right) >= 0.01:
+            where = f"p = {p}, m = {m}: GPipe's order idles {right:.3f} of the step, your function says {value:.3f}"
+            hint = _hint_at(value, p, m)
+            if hint is None and (p, m) != (P1, M1):
+                hint = (f"it matches at p = {P1}, m = {M1} but not everywhere: a formula that fits one schedule "
+                        "may miss the others. Count the phases for general p and m.")
+            return wrong(f"{where}. " + (hint or "each stage works m forwards and m backwards; count how many forwards "
+                                                 "the forward phase lasts (until the last micro-batch leaves the last "
+                                                 "stage) and how many backwards the backward phase."))
+    cases = ", ".join(f"({p}, {m})" for p, m in POINTS)
+    return correct(
+        f"GPipe's order replayed in logical time for (p, m) = {cases}: your function gives its idle fraction "
+        f"every time, {_gpipe_bubble(P1, M1):.3f} of the step for p = {P1}, m = {M1}: (p - 1) / (m + p - 1)."
     )
 
 

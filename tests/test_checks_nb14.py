@@ -1,0 +1,236 @@
+"""Notebook 14's checks accept the course's answers and reject plausible wrong ones with a specific hint."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course import context_parallel as cp
+from course.checks import nb14
+from course.context_parallel import attend, merge, start_pass
+
+# ------------------------------------------------------------------ Exercise 1: merge
+
+
+def _average(out1, lse1, out2, lse2):
+    return (out1 + out2) / 2, torch.logaddexp(lse1, lse2)
+
+
+def _exp_without_the_max(out1, lse1, out2, lse2):  # right in exact arithmetic, overflows in float32
+    w1, w2 = lse1.exp(), lse2.exp()
+    return (w1[..., None] * out1 + w2[..., None] * out2) / (w1 + w2)[..., None], (w1 + w2).log()
+
+
+def _lse_is_the_max(out1, lse1, out2, lse2):
+    out, _ = merge(out1, lse1, out2, lse2)
+    return out, torch.maximum(lse1, lse2)
+
+
+def _not_normalised(out1, lse1, out2, lse2):  # rescaled by the max, but not divided by the total weight
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    return w1[..., None] * out1 + w2[..., None] * out2, m + (w1 + w2).log()
+
+
+def _out_only(out1, lse1, out2, lse2):
+    return merge(out1, lse1, out2, lse2)[0]
+
+
+def _logaddexp(out1, lse1, out2, lse2):  # another correct answer
+    lse = torch.logaddexp(lse1, lse2)
+    return (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2, lse
+
+
+def test_merge_accepts_correct_answers():
+    assert nb14.merge(merge).status == "correct"
+    assert nb14.merge(_logaddexp).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_average, "plain average"),
+        (_exp_without_the_max, "an exp overflowed"),
+        (_lse_is_the_max, "not the larger of the two"),
+        (_not_normalised, "merged output differs"),
+        (_out_only, "return a pair"),
+        (lambda out1, lse1, out2, lse2: (torch.zeros(2, 5, 8), torch.zeros(2, 5)), "merged lse differs"),
+    ],
+)
+def test_merge_rejects_wrong_answers(answer, hint):
+    feedback = nb14.merge(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_an_untouched_stub_is_not_attempted():
+    def merge(out1, lse1, out2, lse2):
+        """The docstring the student sees."""
+        ...
+
+    def ring_forward(q, k, v, layout, causal=False):
+        ...
+
+    def zigzag_layout(seq_len, world_size):
+        ...
+
+    assert nb14.merge(merge).status == "todo"
+    assert nb14.ring_forward(ring_forward).status == "todo"
+    assert nb14.zigzag_layout(zigzag_layout).status == "todo"
+
+
+# ------------------------------------------------------------------ Exercise 2: ring_forward
+
+
+def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=None, overlap=True, result="pair"):
+    """A ring forward with one thing changed, to build the wrong answers below."""
+
+    def ring_forward(q, k, v, layout, causal=False):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(n):
+            src = (rank - step) % n
+            shape = (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1])
+            if step < n - 1 and overlap:
+                incoming, requests = pass_fn(kv, shape)
+            mask = causal if attend_causal is None else attend_causal
+            k_pos = layout[src] if key_positions is None else layout[rank]
+            o, l = attend(q, kv[0], kv[1], layout[rank], k_pos, mask)
+            out, lse = (o, l) if out is None else merge(out, lse, o, l)
+            if step < n - 1:
+                if not overlap:
+                    incoming, requests = pass_fn(kv, shape)
+                for request in requests:
+                    request.wait()
+                kv = incoming
+        return (out, lse) if result == "pair" else out
+
+    return ring_forward
+
+
+def _waits_twice(q, k, v, layout, causal=False):  # right, but a second wait() hangs on gloo
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv, out, lse, requests = torch.stack([k, v]), None, None, []
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming, requests = start_pass(kv, (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))
+        o, l = attend(q, kv[0], kv[1], layout[rank], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        if step < n - 1:
+            for request in requests + requests:
+                request.wait()
+            kv = incoming
+    return out, lse
+
+
+def _two_rank_pass(tensor, shape, tag=0):  # the peer is "the other rank": right on 2 ranks only
+    incoming = tensor.new_empty(shape)
+    other = 1 - dist.get_rank()
+    return incoming, [dist.isend(tensor, other), dist.irecv(incoming, other)]
+
+
+def _blocking_pass(tensor, shape, tag=0):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = tensor.new_empty(shape)
+    if rank % 2:
+        dist.recv(incoming, (rank - 1) % n)
+        dist.send(tensor, (rank + 1) % n)
+    else:
+        dist.send(tensor, (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+    return incoming, []
+
+
+def _all_gather(q, k, v, layout, causal=False):
+    n = dist.get_world_size()
+    keys = [k.new_empty(*k.shape[:-2], len(p), k.shape[-1]) for p in layout]
+    values = [v.new_empty(*v.shape[:-2], len(p), v.shape[-1]) for p in layout]
+    dist.all_gather(keys, k.contiguous())
+    dist.all_gather(values, v.contiguous())
+    out = lse = None
+    for src in range(n):
+        o, l = attend(q, keys[src], values[src], layout[dist.get_rank()], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    return out, lse
+
+
+def _all_gather_functional(q, k, v, layout, causal=False):  # no dist.all_gather by name: caught by its size
+    import torch.distributed._functional_collectives as funcol
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    width = max(len(p) for p in layout)  # padded to equal sizes
+    pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-2], width - t.shape[-2], t.shape[-1])], -2)  # noqa: E731
+    keys = funcol.all_gather_tensor(pad(k).contiguous(), -2, list(range(n)))
+    values = funcol.all_gather_tensor(pad(v).contiguous(), -2, list(range(n)))
+    take = torch.cat([torch.arange(len(p)) + width * r for r, p in enumerate(layout)])
+    return attend(q, keys[..., take, :], values[..., take, :], layout[rank], torch.cat(layout), causal)
+
+
+def _everyone(q, k, v, layout, causal=False):  # every rank sends its K/V to every other rank directly
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv = torch.stack([k, v])
+    buffers = {src: kv.new_empty(2, *k.shape[:-2], len(layout[src]), k.shape[-1]) for src in range(n) if src != rank}
+    requests = [dist.isend(kv, dst) for dst in range(n) if dst != rank]
+    requests += [dist.irecv(buffer, src) for src, buffer in buffers.items()]
+    out, lse = attend(q, k, v, layout[rank], layout[rank], causal)
+    for request in requests:
+        request.wait()
+    for src, buffer in buffers.items():
+        out, lse = merge(out, lse, *attend(q, buffer[0], buffer[1], layout[rank], layout[src], causal))
+    return out, lse
+
+
+def test_ring_forward_accepts_the_course_ring():
+    assert nb14.ring_forward(cp.ring_forward).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_all_gather, "called dist.all_gather"),
+        (_all_gather_functional, "built a tensor of"),
+        (_everyone, "not its neighbour"),
+        (_ring(pass_fn=_two_rank_pass), "compute the neighbours"),
+        (_ring(pass_fn=_blocking_pass), "called dist.send"),
+        (_ring(overlap=False), "no chunk travels while another is computed"),
+        (_ring(attend_causal=False), "*without* the causal mask"),
+        (_ring(key_positions="mine"), "failed: IndexError"),  # positions of another chunk: the wrong length
+        (_ring(result="out"), "return a pair"),
+        (_waits_twice, "waited twice for the same request"),
+    ],
+)
+def test_ring_forward_rejects_wrong_answers(answer, hint, monkeypatch):
+    monkeypatch.setattr(nb14, "TIMEOUT", 10)  # a ring that hangs is reported after this
+    feedback = nb14.ring_forward(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3: zigzag_layout
+
+
+def _slices(seq_len, world_size):
+    return torch.arange(seq_len).tensor_split(2 * world_size)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (cp.contiguous_layout, "not balanced"),
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[r + n]]) for r in range(n)], "not balanced"),
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - r]]) for r in range(n)], "raised IndexError"),
+        (lambda s, n: [torch.arange(r, s, n) for r in range(n)], "more than two slices"),
+        (lambda s, n: [list(range(0, 6)) + list(range(18, 24)), list(range(6, 18))], "one per rank"),  # 2 ranks, 24 tokens
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - 1 - r]]) for r in range(n - 1)] + [torch.arange(0)],
+         "every token exactly once"),
+        (lambda s, n: 42, "one 1-D tensor of token positions per rank"),
+    ],
+)
+def test_zigzag_layout_rejects_wrong_answers(answer, hint):
+    feedback = nb14.zigzag_layout(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_zigzag_layout_accepts_the_course_layout_and_lists():
+    assert nb14.zigzag_layout(cp.zigzag_layout).status == "correct"
+    as_lists = lambda s, n: [p.tolist() for p in cp.zigzag_layout(s, n)]  # noqa: E731
+    assert nb14.zigzag_layout(as_lists).status == "correct"

@@ -1,0 +1,117 @@
+"""Notebook 16's checks reject plausible wrong answers with a useful hint."""
+
+import pytest
+
+from course.checks import nb16
+from course.planner import LLAMA3_8B, Config
+
+
+def _grid(dp, pp, tp):  # the solution, written independently of the package
+    rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
+    return {
+        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+    }
+
+
+def _tp_slowest(dp, pp, tp):  # rank = (t * pp + p) * dp + d: the dimensions in the wrong order
+    rank = lambda d, p, t: (t * pp + p) * dp + d  # noqa: E731
+    return {
+        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+    }
+
+
+def _hard_coded(dp, pp, tp):  # the 2 x 2 x 2 answer, copied from the printed table
+    return {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+
+
+def _swapped(dp, pp, tp):  # dp and tp groups exchanged
+    g = _grid(dp, pp, tp)
+    return {"dp": g["tp"], "pp": g["pp"], "tp": g["dp"]}
+
+
+def _strided_pp(dp, pp, tp):  # pp groups stride by 1 instead of tp
+    g = _grid(dp, pp, tp)
+    g["pp"] = [list(range(start, start + pp)) for start in range(0, dp * pp * tp, pp)]
+    return g
+
+
+def _only_mine(dp, pp, tp):  # rank 0's groups only
+    g = _grid(dp, pp, tp)
+    return {dim: groups[:1] for dim, groups in g.items()}
+
+
+def test_mesh_groups_accepts_a_solution_in_any_order():
+    assert nb16.mesh_groups(_grid).status == "correct"
+    reordered = lambda *shape: {dim: [list(reversed(g)) for g in reversed(gs)] for dim, gs in _grid(*shape).items()}  # noqa: E731
+    assert nb16.mesh_groups(reordered).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_tp_slowest, "tp varies fastest"),
+        (_hard_coded, "(1, 2, 4)"),
+        (_swapped, "your tp groups are the dp groups"),
+        (_strided_pp, "pp groups should be"),
+        (_only_mine, "cover every rank exactly once"),
+        (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
+        (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
+    ],
+)
+def test_mesh_groups_rejects_wrong_answers(answer, hint):
+    feedback = nb16.mesh_groups(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_state_gb_accepts_the_answer():
+    assert nb16.state_gb((2 + 2 + 12 / 8) * LLAMA3_8B.params() / 1e9).status == "correct"
+
+
+P = LLAMA3_8B.params()
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (16 * P / 8 / 1e9, "ZeRO-3"),
+        (16 * P / 1e9, "one whole copy"),
+        ((2 + 12 / 8) * P / 1e9, "count both"),
+        (4 * P / 1e9, "count both"),
+        ((2 + 2 + 8 / 8) * P / 1e9, "fp32 master weights"),
+        ((2 + 2 + 12 / 8) * P / 2**30, "GiB"),
+        (12.0, "see the hint"),
+        ("44", "answer with a number"),
+        (True, "answer with a number"),
+    ],
+)
+def test_state_gb_rejects_wrong_answers(answer, hint):
+    feedback = nb16.state_gb(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_configuration_accepts_near_best_configurations():
+    assert nb16.configuration(Config(dp=4, tp=4, pp=4, zero=2)).status == "correct"
+    assert nb16.configuration(Config(dp=2, tp=4, pp=8, zero=3)).status == "correct"  # 1.4% slower: accepted
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (Config(dp=64, zero=0), "more than 80 GB"),  # plain DDP: 1.1 TB of state per GPU
+        (Config(dp=64, zero=3), "more than 80 GB"),  # sharded state, but 80 layers of activations
+        (Config(dp=4, tp=16, zero=1), "spans nodes"),
+        (Config(dp=8, tp=4, pp=4, zero=1), "must use all 64 GPUs"),
+        (Config(dp=4, tp=2, pp=8, zero=1, micro_batch=3), "split over"),  # 512 sequences over 4 x 3
+        (Config(dp=64, zero=3, recompute=True), "the best configuration takes"),  # fits, 19% slower
+        (Config(dp=1, tp=8, pp=8, zero=0), "the best configuration takes"),  # fits, a big bubble
+        ((4, 4, 4), "answer with a Config"),
+    ],
+)
+def test_configuration_rejects_wrong_answers(answer, hint):
+    feedback = nb16.configuration(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback

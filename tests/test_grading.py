@@ -1,0 +1,291 @@
+"""``python -m course grade`` and ``progress`` on real student notebooks: each gets exactly the
+verdicts it earned, whatever it says about itself.
+
+Two groups, each graded by one call (one judge, one kernel per notebook):
+
+* notebook 01 as a student hands it in (built from notebooks/ and solutions/): solved,
+  untouched, wrong answers, and two that tamper (``check`` redefined and stored outputs
+  edited; ``course`` patched and the check cells deleted);
+* small notebooks with 01's answers, graded with a 3 s cell limit, two at a time: one that hangs (interrupted,
+  the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
+  whose answer attacks the checker when the check calls it.
+
+Marked slow (1-4 minutes of kernels and time limits on 2 cores): ``pytest`` leaves them
+out, ``.ci/run`` runs them after it; run them with ``pytest -m slow tests/test_grading.py``.
+The fast tests at the end run in ``pytest``.
+"""
+
+import csv
+import sys
+
+import nbformat
+import pytest
+
+from course import grading
+from course.__main__ import main
+from course.notebooks import ROOT
+
+STUDENT = nbformat.read(ROOT / "notebooks" / "01_single_device.ipynb", as_version=4)
+SOLUTION = nbformat.read(ROOT / "solutions" / "01_single_device.ipynb", as_version=4)
+EXERCISES = ["weight_grad", "chunk_mean_grad", "chunk_loss"]
+
+# 01's exercises, answered wrongly in ways its checks name
+WRONG = {
+    "c06": "def weight_grad(model, x, y):\n    return 2 * (model(x) - y).T @ x / len(x)",  # forgets the outputs
+    "c09": "def chunk_mean_grad(model, x, y, n_chunks):\n"
+           "    grads = []\n"
+           "    for xc, yc in zip(x.chunk(n_chunks), y.chunk(n_chunks)):\n"
+           "        model.zero_grad()\n"
+           "        loss_fn(model(xc), yc).backward()\n"
+           "        grads.append(model.weight.grad.clone())\n"
+           "    return sum(grads)",  # the sum, not the mean
+}
+RIGHT_WEIGHT_GRAD = "def weight_grad(model, x, y):\n    return 2 * (model(x) - y).T @ x / y.numel()"
+FULL_BATCH = "def chunk_mean_grad(model, x, y, n_chunks):\n    return 2 * (model(x) - y).T @ x / y.numel()"
+
+
+def student_01(answers=None, before=None, drop=(), outputs=None):
+    """Notebook 01 as handed in: ``answers`` {cell id: source} replace cells, ``before`` {cell id:
+    source} inserts a cell before one, ``drop`` deletes cells, ``outputs`` {cell id: text} stores
+    an output (as an edited notebook would)."""
+    nb = nbformat.from_dict(STUDENT)
+    cells = []
+    for cell in nb.cells:
+        if cell.get("id") in (before or {}):
+            cells.append(nbformat.v4.new_code_cell(before[cell.id]))
+        if cell.get("id") in drop:
+            continue
+        if cell.get("id") in (answers or {}):
+            cell.source = answers[cell.id]
+        if cell.get("id") in (outputs or {}):
+            cell.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": outputs[cell.id]}, execution_count=1)]
+        cells.append(cell)
+    nb.cells = cells
+    return nb
+
+
+def small(*sources, ids=()):
+    """A notebook of these code cells; ``ids`` gives the first ones notebook 01's cell ids."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    for cell, id in zip(nb.cells, ids):
+        cell.id = id
+    return nb
+
+
+def write(folder, student, nb, name="01_single_device.ipynb"):
+    path = folder / student / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def verdicts_of(rows, student):
+    return {r["exercise"]: (r["verdict"], r["feedback"]) for r in rows if r["student"] == student}
+
+
+@pytest.fixture(scope="module")
+def graded_01(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("class")
+    solved = {c.id: c.source for c in SOLUTION.cells if c.get("id") in {s.id for s in STUDENT.cells if "✏️ your" in s.source}}
+    assert set(solved) == {"c06", "c09", "20e8e459"}
+    fake_check = ("class AlwaysRight:\n    def __getattr__(self, name):\n        return lambda *answers: '✅ correct!'\n\n"
+                  "check = AlwaysRight()")
+    patch_course = ("import course.exercises, course.checks.nb01\n"
+                    "course.exercises.Exercise.__call__ = lambda self, *a, **k: course.exercises.correct()\n"
+                    "course.exercises.is_stub = lambda answer: False\n"
+                    "course.checks.nb01.wrong = course.checks.nb01.correct")
+    write(folder, "solved", student_01(solved))
+    write(folder, "untouched", STUDENT)
+    write(folder, "wrong", student_01(WRONG))
+    write(folder, "fake_check", student_01(
+        {**WRONG, "c07": f"from course.checks import nb01 as check\n{fake_check}\ncheck.weight_grad(weight_grad)"},
+        outputs={"c07": "✅ Exercise 1 (weight_grad): matches autograd.",
+                 "c10": "✅ Exercise 2 (chunk_mean_grad): correct!", "55a48994": "✅ Exercise 3 (chunk_loss): correct!"}))
+    write(folder, "patched_course", student_01(WRONG, before={"c02": patch_course}, drop={"c07", "c10", "55a48994"}))
+    write(folder, "borrows", student_01({"c06": "from course.checks.nb01 import _autograd_weight_grad as weight_grad"}))
+    out = folder / "grades.csv"
+    assert main(["grade", *sorted(str(p) for p in folder.iterdir()), "--csv", str(out)]) == 0
+    with open(out, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_the_csv_has_one_row_per_student_and_exercise(graded_01):
+    assert list(graded_01[0]) == grading.COLUMNS
+    assert sorted((r["student"], r["exercise"]) for r in graded_01) == sorted(
+        (s, e) for s in ["solved", "untouched", "wrong", "fake_check", "patched_course", "borrows"] for e in EXERCISES)
+    assert {r["notebook"] for r in graded_01} == {"01"}
+    assert {r["title"] for r in graded_01} == {"Exercise 1 (weight_grad)", "Exercise 2 (chunk_mean_grad)", "Exercise 3 (chunk_loss)"}
+    assert all(r["file"].endswith("01_single_device.ipynb") for r in graded_01)
+
+
+@pytest.mark.slow
+def test_solved_untouched_and_wrong_notebooks_get_what_they_earned(graded_01):
+    assert {e: v for e, (v, _) in verdicts_of(graded_01, "solved").items()} == dict.fromkeys(EXERCISES, "correct")
+    untouched = verdicts_of(graded_01, "untouched")
+    assert {e: v for e, (v, _) in untouched.items()} == dict.fromkeys(EXERCISES, "not attempted")
+    assert all("not attempted yet" in f for _, f in untouched.values())
+    wrong = verdicts_of(graded_01, "wrong")
+    assert wrong["weight_grad"][0] == "wrong" and "averages over every element" in wrong["weight_grad"][1]
+    assert wrong["chunk_mean_grad"][0] == "wrong" and "you summed" in wrong["chunk_mean_grad"][1]
+    assert wrong["chunk_loss"][0] == "not attempted"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", ["fake_check", "patched_course"])
+def test_tampering_earns_nothing(graded_01, student):
+    """A redefined ``check`` with edited ✅ outputs, or ``course`` patched to say correct with
+    the check cells deleted: the grader judges the same wrong answers as wrong."""
+    assert verdicts_of(graded_01, student) == verdicts_of(graded_01, "wrong")
+
+
+def test_summary_counts_each_exercise():
+    rows = [grading.Verdict(s, "01", "weight_grad", "Exercise 1 (weight_grad)", v, "", "")
+            for s, v in [("a", "correct"), ("b", "correct"), ("c", "wrong"), ("d", "error"), ("e", "not attempted")]]
+    lines = grading.summary(rows).splitlines()
+    assert lines[0].split() == ["notebook", "exercise", "solved", "wrong", "not", "attempted", "error"]
+    assert lines[1].split() == ["01", "Exercise", "1", "(weight_grad)", "2/5", "1", "1", "1"]
+
+
+@pytest.fixture(scope="module")
+def graded_small(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    attack = ("def weight_grad(model, x, y):\n"
+              "    import torch, course.checks.nb01 as checks\n"
+              "    torch.allclose = lambda *a, **k: True  # in the judge's process, when the check calls it\n"
+              "    return 0 * model.weight")
+    paths = {
+        "hangs": write(folder, "hangs", small(RIGHT_WEIGHT_GRAD, "import time\ntime.sleep(600)", FULL_BATCH)),
+        "ignores_interrupt": write(folder, "ignores_interrupt", small(
+            RIGHT_WEIGHT_GRAD, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass")),
+        "crashes": write(folder, "crashes", small(RIGHT_WEIGHT_GRAD, "import os\nos._exit(3)")),
+        "attacks": write(folder, "attacks", small(attack, FULL_BATCH)),
+    }
+    limits = grading.Limits(cell=3, notebook=60, check=60, interrupt=3)
+    return paths, grading.grade_notebooks([(s, p) for s, p in paths.items()], limits, log=lambda s: None, jobs=2)
+
+
+@pytest.mark.slow
+def test_a_hanging_cell_is_interrupted_and_the_rest_graded(graded_small):
+    rows = [v.row() for v in graded_small[1]]
+    hangs = verdicts_of(rows, "hangs")
+    assert hangs["weight_grad"][0] == "correct"
+    assert hangs["chunk_mean_grad"][0] == "wrong" and "gradient of the whole batch" in hangs["chunk_mean_grad"][1]
+    assert hangs["chunk_loss"] == ("error", "`chunk_loss` not defined when the notebook ended "
+                                            "(cell 2 (`import time`) ran past its 3 s limit and was interrupted)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student, reason", [
+    ("ignores_interrupt", "cell 2 (`import signal`) ran past its time limit and did not stop when interrupted"),
+    ("crashes", "the kernel died while running cell 2 (`import os`) (it crashed, exited or ran out of memory)"),
+])
+def test_a_notebook_that_hangs_or_dies_costs_only_its_own_exercises(graded_small, student, reason):
+    rows = [v.row() for v in graded_small[1]]
+    assert verdicts_of(rows, student) == dict.fromkeys(EXERCISES, ("error", reason))
+    assert verdicts_of(rows, "hangs")["weight_grad"][0] == "correct"  # graded before and after them
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the judge forks a child per exercise on Linux only")
+def test_an_answer_that_attacks_the_checker_forges_only_its_own_verdict(graded_small):
+    """The README's limit: an answer is code the check runs. Its patch (torch.allclose always
+    True) dies with the child that judged it: the next exercise is judged by a clean one."""
+    attacks = verdicts_of([v.row() for v in graded_small[1]], "attacks")
+    assert attacks["weight_grad"][0] == "correct"  # forged
+    assert attacks["chunk_mean_grad"][0] == "wrong"
+
+
+@pytest.mark.slow
+def test_the_courses_own_function_is_no_answer(graded_01):
+    borrows = verdicts_of(graded_01, "borrows")
+    assert borrows["weight_grad"] == ("error", "the answer is the course's own course.checks.nb01._autograd_weight_grad, "
+                                               "not one written in the notebook")
+
+
+@pytest.mark.slow
+def test_exercises_past_the_notebooks_limit_are_not_reached(tmp_path):
+    nb = small(RIGHT_WEIGHT_GRAD, "import time\ntime.sleep(600)", FULL_BATCH, ids=["c06"])
+    path = write(tmp_path, "slow", nb)
+    limits = grading.Limits(cell=60, notebook=4, check=60, interrupt=3)
+    verdicts = {v.exercise: (v.verdict, v.feedback) for v in grading.grade_notebooks([("slow", path)], limits, log=lambda s: None)}
+    assert verdicts["weight_grad"][0] == "correct"  # taken after its cell, c06
+    reason = "not reached: the notebook ran past its 4 s limit at cell 2 (`import time`)"
+    assert verdicts["chunk_mean_grad"] == verdicts["chunk_loss"] == ("error", reason)
+
+
+@pytest.mark.slow
+def test_progress_prints_a_table_of_the_saved_notebooks(tmp_path, capsys):
+    path = write(tmp_path, "me", small(RIGHT_WEIGHT_GRAD, FULL_BATCH), name="01_mine.ipynb")
+    assert main(["progress", str(path), "--cell-timeout", "30"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["notebook", "exercise", "verdict", "feedback"]
+    assert lines[1].split()[:5] == ["01_mine", "Exercise", "1", "(weight_grad)", "✅"]
+    assert lines[2].split()[4:6] == ["❌", "wrong"]
+    assert lines[3].split()[4:6] == ["💥", "error"] and "`chunk_loss` not defined" in lines[3]
+    assert lines[-1] == "1 of 3 exercises solved."
+
+
+def test_which_notebook_a_file_is():
+    table = grading.exercise_table()
+    nb = nbformat.v4.new_notebook()
+    assert grading.notebook_number(grading.Path("alice_03_distributed_sampler.ipynb"), nb, table) == "03"
+    assert grading.notebook_number(grading.Path("10_mine.ipynb"), nb, table) == "10"
+    assert grading.notebook_number(grading.Path("homework.ipynb"), STUDENT, table) == "01"  # its Colab badge
+    assert grading.notebook_number(grading.Path("homework.ipynb"), nb, table) is None
+
+
+def test_answers_json_is_what_the_build_writes_and_names_every_exercise():
+    import importlib
+
+    from course.exercises import Exercise
+    from course.notebooks import all_exercise_answers
+
+    table = grading.exercise_table()
+    assert table == all_exercise_answers(), "course/checks/answers.json is stale: run `python -m course build --no-execute`"
+    for number, entry in table.items():
+        module = importlib.import_module(f"course.checks.nb{number}")
+        exercises = {name for name, x in vars(module).items() if isinstance(x, Exercise)}
+        checks = [x["check"] for x in entry["exercises"]]
+        assert checks and set(checks) == exercises, number
+        assert all(x["check_cell"] and x["answer_cells"] for x in entry["exercises"]), number
+
+
+def test_answers_are_taken_after_the_exercise_not_at_the_end():
+    """Notebook 11 binds ``zero1_step`` to the course's version after its exercise: an untouched
+    notebook's answer is taken before that, as the student's check saw it."""
+    nb = nbformat.read(ROOT / "notebooks" / "11_zero_and_fsdp.ipynb", as_version=4)
+    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
+    assert "\ncheck.zero1_step(zero1_step)" in nb.cells[at].source
+    later = [i for i, c in enumerate(nb.cells) if "from course.zero import zero1_step" in c.source]
+    assert later and at < later[0]
+    nb.cells = [c for c in nb.cells if "check.zero1_step(" not in c.source]  # deleted: after its answer cell
+    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
+    assert "def zero1_step(" in nb.cells[at].source
+
+
+def test_calls_on_check_are_left_out():
+    assert grading.without_checks("check.weight_grad(weight_grad)\ncheck.weight_grad.hint()") == ""
+    assert grading.without_checks("from course.checks import nb01 as check\n\ncheck.weight_grad(\n    weight_grad)\nx = 1") == \
+        "from course.checks import nb01 as check\n\nx = 1"
+    for kept in ("x = check.weight_grad(weight_grad)", "print(check.exercise_model())", "x = 1; check.w(x)", "%time check.x(y)"):
+        assert grading.without_checks(kept) == kept
+
+
+def test_a_check_call_must_pass_its_answers_by_name():
+    from course.notebooks import exercise_answers
+
+    nb = small("check.weight_grad(weight_grad)", "check.chunk_loss(lambda *a: 0)")
+    with pytest.raises(ValueError, match="pass the answers by name only"):
+        exercise_answers(nb)
+    nb.cells.pop()
+    assert exercise_answers(nb) == [{"check": "weight_grad", "answers": ["weight_grad"], "check_cell": nb.cells[0].id, "answer_cells": []}]
+
+
+def test_an_unwritable_csv_is_refused_before_grading(tmp_path):
+    path = write(tmp_path, "me", small("x = 1"))
+    with pytest.raises(SystemExit, match="cannot write it"):
+        main(["grade", str(path), "--csv", str(tmp_path / "no" / "such" / "folder.csv")])

@@ -1,0 +1,97 @@
+"""course.parallel3d (notebook 16): 3-D parallel training equals one process on several grids, the
+mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what course.planner's
+laws plus gloo's per-message headers predict, and notebook 16 shows the package's code."""
+
+import inspect
+import re
+
+import nbformat
+import pytest
+import torch.distributed as dist
+
+from course import launch, parallel3d, planner
+from course.doctor import PART_II_TORCH, torch_at_least
+from course.notebooks import SOLUTIONS, solution_code
+
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+pytestmark = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+)
+
+NOTEBOOK = SOLUTIONS / "16_putting_it_together.ipynb"
+TINY = planner.Model("TinyLM", layers=2, hidden=16, ffn=64, heads=4, kv_heads=4, vocab=32, ffn_matrices=2, bias=True, norms=False)
+MESSAGE, SEND, RECV = 288, 96, 48  # gloo's header bytes per ring message, per send, per recv notice (measured in 16)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 2), (1, 1, 1)])
+def test_3d_training_equals_one_process_and_sends_what_the_laws_and_headers_say(shape):
+    dp, pp, tp = shape
+    m, steps = 2, 2
+    for rank, r in enumerate(launch(parallel3d.train, dp * pp * tp, *shape, show=None)):
+        assert r["diff"] < 1e-6
+        stage = parallel3d.coordinates(rank, *shape)[1]
+        assert r["param_bytes"] == 4 * planner.stage_params(TINY, tp, pp, stage)
+        config = planner.Config(dp=dp, pp=pp, tp=tp, zero=0, micro_batch=parallel3d.BATCH // (dp * m))
+        law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
+        headers = {"tp": 4 * (TINY.layers // pp) * m * 2 * (tp - 1) * MESSAGE,
+                   "pp": m * (SEND + RECV) if pp > 1 else 0, "dp": 2 * (dp - 1) * MESSAGE}
+        assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
+
+
+def test_3d_training_fails_loudly_on_a_wrong_grid():
+    with pytest.raises(Exception, match="dp \\* pp \\* tp = 8, but there are 4 ranks"):
+        launch(parallel3d.train, 4, 2, 2, 2, show=None)
+
+
+def _device_mesh_groups(rank, world_size, shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
+    return {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("dp", "pp", "tp")}
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4), (3, 1, 2)])  # (2, 2, 2): notebook 16
+def test_mesh_groups_are_device_mesh_groups(shape):
+    expected = parallel3d.mesh_groups(*shape)
+    for rank, mine in enumerate(launch(_device_mesh_groups, shape[0] * shape[1] * shape[2], shape, show=None)):
+        for dim, group in mine.items():
+            assert group in expected[dim] and rank in group
+
+
+def test_planner_knows_llama3():
+    assert planner.LLAMA3_8B.params() == 8_030_261_248  # Meta-Llama-3-8B's published count
+    assert planner.LLAMA3_70B.params() == 70_553_706_496
+    assert TINY.params() == sum(p.numel() for p in parallel3d.TinyLM().parameters())
+
+
+def test_planner_best_fits_and_beats_every_other_fitting_configuration():
+    model, cluster = planner.LLAMA3_70B, planner.Cluster(64)
+    best = planner.best(model, cluster, 512, 8192)
+    assert planner.fits(model, cluster, best, 8192, 512) and best.tp <= cluster.per_node
+    t = planner.step_time(model, cluster, best, 8192, 512)["total"]
+    for config in planner.candidates(model, cluster, 512, 8192):
+        if planner.fits(model, cluster, config, 8192, 512):
+            assert planner.step_time(model, cluster, config, 8192, 512)["total"] >= t
+
+
+def test_planner_memory_follows_zero_stages():
+    model = planner.LLAMA3_8B
+    used = {z: planner.memory(model, planner.Config(dp=8, zero=z), 8192, 512) for z in range(4)}
+    p = model.params()
+    assert used[0]["optimizer"] == 12 * p and used[1]["optimizer"] == 12 * p / 8
+    assert used[1]["gradients"] == 2 * p and used[2]["gradients"] == 2 * p / 8
+    assert used[2]["parameters"] == 2 * p and used[3]["parameters"] == 2 * p / 8 + 2 * 2 * model.layer_params()  # + two whole layers
+
+
+def _defined_in_notebook(name):
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.cell_type == "code":
+            match = re.search(rf"^def {name}\(.*?(?=^\S|\Z)", solution_code(cell.source) + "\n", re.M | re.S)
+            if match:
+                return match.group(0).rstrip()
+    raise AssertionError(f"{name} is not defined in {NOTEBOOK.name}")
+
+
+@pytest.mark.parametrize("name", ["mesh_groups", "shard_like", "pipeline_step", "average_gradients", "make_groups", "train"])
+def test_notebook_shows_the_package_code(name):
+    assert _defined_in_notebook(name) == inspect.getsource(getattr(parallel3d, name)).rstrip()
