@@ -137,50 +137,42 @@ def _forgets_the_rename(obj, path):
         os.fsync(f.fileno())
 
 
-def _fsync_the_folder_instead(obj, path):  # fsyncs the folder (the rename), not the file's data
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _fsync_the_folder(folder):
     folder_fd = os.open(folder, os.O_RDONLY)
     os.fsync(folder_fd)
     os.close(folder_fd)
 
 
-def _fsync_the_folder_before_the_rename(obj, path):
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-        folder_fd = os.open(folder, os.O_RDONLY)
-        os.fsync(folder_fd)
-        os.close(folder_fd)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _folder_fsync_instead_of_the_files(before_rename):  # fsyncs the folder (the rename), not the file's data
+    def save(obj, path):
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+            if before_rename:
+                _fsync_the_folder(folder)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        if not before_rename:
+            _fsync_the_folder(folder)
+
+    return save
 
 
 def _file_and_folder(obj, path):  # the full recipe: fsync the file, rename, fsync the folder
     _no_cleanup(obj, path)
-    folder_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    os.fsync(folder_fd)
-    os.close(folder_fd)
+    _fsync_the_folder(os.path.dirname(os.path.abspath(path)))
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_fsync_the_folder_instead, "you fsync the folder, not the temporary file"),
-        (_fsync_the_folder_before_the_rename, "you fsync the folder, not the temporary file"),
+        (_folder_fsync_instead_of_the_files(before_rename=False), "you fsync the folder, not the temporary file"),
+        (_folder_fsync_instead_of_the_files(before_rename=True), "you fsync the folder, not the temporary file"),
         (_straight_into_path, "half-written"),
         (_temporary_in_tmp, "same folder"),
         (_copy_not_rename, "os.replace"),
