@@ -65,15 +65,16 @@ def n_buckets(answer):
 
 
 def _builtin_hook_code():
-    """The code of every function in PyTorch's comm-hook modules, nested functions included (the hooks
-    that ``bf16_compress_wrapper`` and friends return). A hook that runs any of it uses PyTorch's hooks,
-    whatever name it was imported, renamed or wrapped under."""
+    """Where every function of PyTorch's comm-hook modules is defined (file, line, name), nested functions
+    included (the hooks that ``bf16_compress_wrapper`` and friends return). A hook that runs any of that
+    code uses PyTorch's hooks, whatever name it was imported, renamed or wrapped under. (Compared by place,
+    not by identity: a spawned rank receives a wrapped hook by value, with a copy of its code.)"""
     from torch.distributed.algorithms import ddp_comm_hooks
 
     found = set()
 
     def collect(code):
-        found.add(code)
+        found.add(_where(code))
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 collect(const)
@@ -89,13 +90,17 @@ def _builtin_hook_code():
     return found
 
 
+def _where(code):
+    return code.co_filename, code.co_firstlineno, code.co_name
+
+
 def _grads_with_hook(rank, world_size, hook):
     # Flag PyTorch's own hooks, however they are called (directly, imported by name, renamed, wrapped):
     # a profile function sees every Python call this thread makes, and compares its code with theirs.
     builtin, used_builtin = _builtin_hook_code(), []
 
     def watch_calls(frame, event, arg):
-        if event == "call" and frame.f_code in builtin:
+        if event == "call" and _where(frame.f_code) in builtin:
             used_builtin.append(frame.f_code.co_name)
 
     sys.setprofile(watch_calls)
@@ -177,7 +182,7 @@ def bf16_hook(fn):
     if len(params) != 2 or params[1] != "bucket":
         return wrong("DDP calls a hook with two arguments, and the second must be named `bucket`: def bf16_hook(process_group, bucket).")
     if fn in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook, default_hooks.allreduce_hook) \
-            or getattr(fn, "__code__", None) in _builtin_hook_code():
+            or (hasattr(fn, "__code__") and _where(fn.__code__) in _builtin_hook_code()):
         return wrong("that is PyTorch's own hook: write the cast, the all_reduce and the copy back yourself.")
     try:
         result = launch(_grads_with_hook, 2, fn, backend="traced", show=None, timeout=60)[0]
