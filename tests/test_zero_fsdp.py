@@ -75,6 +75,7 @@ def _defined_in_notebook(name):
 @pytest.mark.parametrize(
     "module, name",
     [(course.memory, "storage_bytes"), (course.memory, "bytes_per_rank"), (course.zero, "flat_padded"),
+     (course.memory, "saved_activation_bytes"),
      (course.zero, "zero1_setup"), (course.zero, "zero1_step"), (course.memory, "LiveBytes"),
      (course.fsdp, "shard_parameters"), (course.fsdp, "gather_parameter"), (course.fsdp, "free_parameter"),
      (course.fsdp, "reduce_scatter_gradients"), (course.fsdp, "fully_shard_by_hand"), (course.fsdp, "compute_in"),
