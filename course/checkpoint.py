@@ -32,11 +32,9 @@ Why each piece (notebook 07 demonstrates every point):
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import warnings
@@ -99,23 +97,6 @@ def fsync_folder(folder):
         pass
     finally:
         os.close(fd)
-
-
-def die_halfway(real_save):
-    """For crash experiments: a ``torch.save`` that writes the first half of the bytes, flushes
-    them, and then SIGKILLs its own process, as a machine going down mid-save would.
-    Install it in one worker only: ``torch.save = die_halfway(torch.save)``."""
-
-    def save(obj, f, *args, **kwargs):
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        data = buffer.getvalue()
-        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
-        out.write(data[: len(data) // 2])
-        out.flush()
-        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of the save
-
-    return save
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:

@@ -5,7 +5,8 @@ A Mixture-of-Experts (MoE) layer replaces one MLP by ``E`` of them (the *experts
 ``k`` experts with the highest scores, and the layer's output for the token is their outputs
 weighted by the softmax of those ``k`` scores. So each token costs ``k`` expert MLPs, whatever ``E``.
 
-Two extras make it trainable at scale:
+GShard and the Switch Transformer add two pieces (*dropless* MoEs, e.g. MegaBlocks, have no
+capacity and drop nothing):
 
 * a **capacity**: each expert takes at most ``ceil(capacity_factor * tokens * k / E)`` of a
   batch's (token, choice) assignments, first choices of every token first; the assignments
@@ -92,7 +93,8 @@ def route(router, x, k, capacity_factor=None):
 def load_balancing_loss(routing):
     """Switch Transformer's auxiliary loss, E · Σ_e f_e P_e: f_e, the fraction of assignments
     routed to expert e (a count: no gradient), P_e, its mean router probability (differentiable).
-    It is 1 for an even load and E for every token on one expert (top-1); 0 for no tokens."""
+    It is 1 for an even load; with top-1 and every token on expert 0 it is E · P_0, which approaches
+    E as the router puts all its probability on expert 0; 0 for no tokens."""
     n_experts = routing.logits.shape[-1]
     if routing.experts.numel() == 0:  # a rank with no tokens of its own: no load, no loss (not 0/0)
         return routing.logits.sum() * 0
@@ -184,10 +186,14 @@ def run_experts(experts, x_received, counts_received):
 class ExpertParallelMoE(nn.Module):
     """:class:`MoE` with its experts spread over the ranks of ``group``: this rank keeps experts
     ``rank * E/N`` to ``(rank + 1) * E/N - 1`` of ``full`` and a copy of its router. Each rank
-    routes its own tokens; ``forward`` returns what ``full`` returns for them. ``full`` must be
-    the same on every rank (made with the same seed): each rank keeps its own copy of the router."""
+    routes its own tokens; ``forward`` returns what ``full`` returns for them.
 
-    def __init__(self, full: MoE, group=None):
+    Like DDP, it makes the copies equal at construction, whatever each rank's ``full`` holds: the
+    router, replicated on every rank, is broadcast from rank 0 over all ranks (so every rank must
+    construct the layer); with data parallelism on top, the experts are broadcast over
+    ``expert_data_group`` (the ranks that hold the same experts) from its first rank."""
+
+    def __init__(self, full: MoE, group=None, expert_data_group=None):
         super().__init__()
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         n_experts = len(full.experts)
@@ -197,6 +203,12 @@ class ExpertParallelMoE(nn.Module):
         self.group, self.k, self.capacity_factor, self.n_experts = group, full.k, full.capacity_factor, n_experts
         self.router = copy.deepcopy(full.router)
         self.experts = nn.ModuleList(copy.deepcopy(full.experts[e]) for e in range(rank * per_rank, (rank + 1) * per_rank))
+        with torch.no_grad():
+            for p in self.router.parameters():
+                dist.broadcast(p, src=0)
+            if expert_data_group is not None:
+                for p in self.experts.parameters():
+                    dist.broadcast(p, src=dist.get_global_rank(expert_data_group, 0), group=expert_data_group)
 
     def forward(self, x):
         r = route(self.router, x, self.k, self.capacity_factor)
@@ -211,9 +223,12 @@ class ExpertParallelMoE(nn.Module):
         return y, load_balancing_loss(r)
 
 
-def is_expert(name):
-    """True for the parameters of an expert (their names contain ``experts.``)."""
-    return "experts." in name
+def expert_parameters(model):
+    """The ``id``s of the parameters in the ``experts`` of every expert-parallel layer of ``model`` (a
+    module with ``experts`` and the process ``group`` they are spread over, like :class:`ExpertParallelMoE`):
+    chosen by module, not by name (a replicated layer named ``shared_experts`` is no expert)."""
+    layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "group")]
+    return {id(p) for m in layers for p in m.experts.parameters()}
 
 
 def sync_gradients(model, expert_data_group, group=None):
@@ -227,11 +242,11 @@ def sync_gradients(model, expert_data_group, group=None):
       are the other copies of the same experts: sum over ``expert_data_group`` (the ranks that hold
       the same experts), then divide by the number of *all* ranks, whose losses are averaged.
     """
-    world = dist.get_world_size(group)
-    for name, p in model.named_parameters():
+    world, experts = dist.get_world_size(group), expert_parameters(model)
+    for p in model.parameters():
         if not p.requires_grad:  # frozen: no gradient to sync (every rank skips it alike)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)  # a parameter this rank did not use: every rank must join
-        dist.all_reduce(p.grad, group=expert_data_group if is_expert(name) else group)
+        dist.all_reduce(p.grad, group=expert_data_group if id(p) in experts else group)
         p.grad /= world

@@ -1,10 +1,11 @@
 """Bytes per rank: what the tensors of a model and its optimizer really hold.
 
-Notebook 11 derives these two functions (and a test checks that they are the same code):
+Notebook 11 derives these functions (and a test checks that they are the same code):
 
     >>> bytes_per_rank(model, optimizer)
     {'parameters': 1048576, 'gradients': 1048576, 'optimizer': 2097168}
 
+and ``saved_activation_bytes``, the activations autograd keeps for backward (notebooks 11 and 14).
 They count *storage*, the memory a tensor points into, not ``numel()``: a sharded
 parameter (a ``DTensor``) is counted by its local shard (``to_local()``), padding
 included, and tensors that are views of one buffer are counted once.
@@ -40,6 +41,22 @@ def bytes_per_rank(model, optimizer) -> dict:
         "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": storage_bytes(state),
     }
+
+
+def saved_activation_bytes(forward, model, x):
+    """Bytes of the tensors autograd saves for backward while running forward(x), weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(x)
+    return sum(saved.values()), out
 
 
 class LiveBytes(TorchDispatchMode):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.checkpoint import die_halfway  # torch.save that dies halfway
+from course.crash import die_halfway  # torch.save that dies halfway
 from course.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -440,7 +440,7 @@ def test_die_halfway_leaves_half_a_file(tmp_path):
     import io
 
     from course import WorkerError, launch
-    from course.checkpoint import die_halfway
+    from course.crash import die_halfway
 
     def job(rank, world_size, path):
         torch.save = die_halfway(torch.save)

@@ -25,6 +25,24 @@ def _no_factor_2(model, x, y):
     return error.T @ x / error.numel()
 
 
+def _autograd_in_enable_grad(model, x, y):  # the check runs the answer under no_grad: this switches it back on
+    with torch.enable_grad():
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+    return model.weight.grad
+
+
+def _autograd_grad_in_enable_grad(model, x, y):
+    with torch.enable_grad():
+        return torch.autograd.grad(nn.functional.mse_loss(model(x), y), model.weight)[0]
+
+
+def _torch_func_grad(model, x, y):
+    with torch.enable_grad():
+        loss = lambda w: nn.functional.mse_loss(x @ w.T + model.bias, y)
+        return torch.func.grad(loss)(model.weight.detach())
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -34,6 +52,9 @@ def _no_factor_2(model, x, y):
         (lambda m, x, y: torch.zeros(3), "shaped like model.weight"),
         (lambda m, x, y: torch.zeros_like(m.weight), "chain rule"),
         (lambda m, x, y: m.weight.grad, "shaped like model.weight"),  # autograd's answer, not derived
+        (_autograd_in_enable_grad, "asks autograd"),
+        (_autograd_grad_in_enable_grad, "asks autograd"),
+        (_torch_func_grad, "asks autograd"),
     ],
 )
 def test_weight_grad_rejects_wrong_answers(answer, hint):

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import all_reduce  # as a notebook may import it: the check must see it too
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook  # a private helper, by name
 
 from course.checks import nb04
 
@@ -112,6 +113,19 @@ def _wrapped_allreduce(process_group, bucket):  # PyTorch's bf16 wrapper around 
     return default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)(process_group, bucket)
 
 
+def _private_helper_by_name(process_group, bucket):  # PyTorch's bf16 hook body, imported by name
+    return _compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _own_fp32_hook(process_group, bucket):
+    buffer = bucket.buffer().div_(dist.get_world_size(process_group))
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _own_hook_in_pytorchs_wrapper(process_group, bucket):  # the bf16 cast and copy back done by PyTorch
+    return default_hooks.bf16_compress_wrapper(_own_fp32_hook)(process_group, bucket)
+
+
 def _raises(process_group, bucket):
     raise ValueError("typo")
 
@@ -124,6 +138,9 @@ def _raises(process_group, bucket):
         (default_hooks.bf16_compress_hook, "PyTorch's own hook"),
         (_renamed_builtin, "calls PyTorch's own hook"),
         (_wrapped_allreduce, "calls PyTorch's own hook"),
+        (_private_helper_by_name, "calls PyTorch's own hook"),
+        (_own_hook_in_pytorchs_wrapper, "calls PyTorch's own hook"),
+        (default_hooks.bf16_compress_wrapper(_own_fp32_hook), "that is PyTorch's own hook"),
         (_no_compression, "ran in float32: cast the bucket's buffer to torch.bfloat16"),
         (_fp16_instead, "ran in float16"),
         (_waits_and_returns_a_tensor, "DDP wants a torch.futures.Future back"),

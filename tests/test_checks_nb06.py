@@ -196,3 +196,12 @@ def test_global_mean_var_counts_all_reduces_however_they_are_called():
 
     feedback = nb06.global_mean_var(three_all_reduces)
     assert feedback.status == "wrong" and "right, with 3 all-reduces" in feedback.message, feedback
+
+
+def test_input_grad_hint_leads_to_the_result_without_giving_it():
+    # The notebook sends a stuck student to hint(): it must point at the derivation, not state the answer.
+    hint = str(nb06.input_grad.hint())
+    assert "∂μ/∂x_i = 1/n" in hint and "Σ_j x̂_j = 0" in hint
+    assert "g - Σg / n" not in hint and "sum_g / n" not in hint
+    feedback = nb06.input_grad(lambda g, x_hat, weight, invstd, sum_g, sum_g_xhat, n: weight * invstd * g)
+    assert feedback.status == "wrong" and "g - Σg / n" not in feedback.message, feedback

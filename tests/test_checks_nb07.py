@@ -137,9 +137,42 @@ def _forgets_the_rename(obj, path):
         os.fsync(f.fileno())
 
 
+def _fsync_the_folder(folder):
+    folder_fd = os.open(folder, os.O_RDONLY)
+    os.fsync(folder_fd)
+    os.close(folder_fd)
+
+
+def _folder_fsync_instead_of_the_files(before_rename):  # fsyncs the folder (the rename), not the file's data
+    def save(obj, path):
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+            if before_rename:
+                _fsync_the_folder(folder)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        if not before_rename:
+            _fsync_the_folder(folder)
+
+    return save
+
+
+def _file_and_folder(obj, path):  # the full recipe: fsync the file, rename, fsync the folder
+    _no_cleanup(obj, path)
+    _fsync_the_folder(os.path.dirname(os.path.abspath(path)))
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
+        (_folder_fsync_instead_of_the_files(before_rename=False), "you fsync the folder, not the temporary file"),
+        (_folder_fsync_instead_of_the_files(before_rename=True), "you fsync the folder, not the temporary file"),
         (_straight_into_path, "half-written"),
         (_temporary_in_tmp, "same folder"),
         (_copy_not_rename, "os.replace"),
@@ -202,3 +235,10 @@ def _fsync_without_flush(obj, path):
 def test_atomic_save_rejects_fsync_before_flush(answer):
     feedback = nb07.atomic_save(answer)
     assert feedback.status == "wrong" and "f.flush() first" in feedback.message, feedback
+
+
+def test_atomic_save_check_lets_the_folder_fsync_pass_where_it_belongs():
+    # Failing saves of _file_and_folder leave the temporary file (it has no cleanup), so only the order of
+    # fsyncs is judged here: the hint must not be about the folder's fsync.
+    feedback = nb07.atomic_save(_file_and_folder)
+    assert "fsync the folder" not in feedback.message and "fsync ran" not in feedback.message, feedback

@@ -40,6 +40,18 @@ def _logaddexp(out1, lse1, out2, lse2):  # another correct answer
     return (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2, lse
 
 
+def _softplus(out1, lse1, out2, lse2):  # right for finite lse, nan when one lse is -inf (d = -inf - -inf)
+    d = lse2 - lse1
+    w2 = torch.sigmoid(d)[..., None]
+    return out1 * (1 - w2) + out2 * w2, lse1 + torch.nn.functional.softplus(d)
+
+
+def _three_d_only(out1, lse1, out2, lse2):  # right on (heads, tokens, dim), raises on 4-D tensors
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp(), (lse2 - lse).exp()
+    return w1[:, :, None] * out1 + w2[:, :, None] * out2, lse
+
+
 def test_merge_accepts_correct_answers():
     assert nb14.merge(merge).status == "correct"
     assert nb14.merge(_logaddexp).status == "correct"
@@ -53,6 +65,8 @@ def test_merge_accepts_correct_answers():
         (_lse_is_the_max, "not the larger of the two"),
         (_not_normalised, "merged output differs"),
         (_out_only, "return a pair"),
+        (_softplus, "see none of one chunk (lse -inf)"),
+        (_three_d_only, "4-D (batch, heads, tokens, dim) tensors"),
         (lambda out1, lse1, out2, lse2: (torch.zeros(2, 5, 8), torch.zeros(2, 5)), "merged lse differs"),
     ],
 )
@@ -180,8 +194,68 @@ def _everyone(q, k, v, layout, causal=False):  # every rank sends its K/V to eve
     return out, lse
 
 
+def _keep_all(overlap):
+    """Every chunk passed around the ring and kept; attention on each one either while the next one
+    travels (overlap) or on all of them after the loop."""
+
+    def ring_forward(q, k, v, layout, causal=False):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        held = [torch.stack([k, v])]
+        out = lse = None
+        for step in range(n):
+            src = (rank - step) % n
+            if step < n - 1:
+                incoming, requests = start_pass(held[-1], (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))
+            if overlap:
+                o, l = attend(q, held[-1][0], held[-1][1], layout[rank], layout[src], causal)
+                out, lse = (o, l) if out is None else merge(out, lse, o, l)
+            if step < n - 1:
+                for request in requests:
+                    request.wait()
+                held.append(incoming)
+        if not overlap:
+            for step, kv in enumerate(held):
+                o, l = attend(q, kv[0], kv[1], layout[rank], layout[(rank - step) % n], causal)
+                out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        return out, lse
+
+    return ring_forward
+
+
+def _batched_pass(tensor, shape, tag=0):  # a right answer: the pass with batch_isend_irecv (picotron's way)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = tensor.new_empty(shape)
+    ops = [dist.P2POp(dist.isend, tensor, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+    return incoming, dist.batch_isend_irecv(ops)
+
+
+def _c10d_all_gather(q, k, v, layout, causal=False):  # the collective under distributed_c10d's name
+    from torch.distributed import distributed_c10d
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = lse = None
+    for src in range(n):
+        keys = [k.new_empty(*k.shape[:-2], len(p), k.shape[-1]) for p in layout]
+        values = [v.new_empty(*v.shape[:-2], len(p), v.shape[-1]) for p in layout]
+        distributed_c10d.all_gather(keys, k.contiguous())
+        distributed_c10d.all_gather(values, v.contiguous())
+        o, l = attend(q, keys[src], values[src], layout[rank], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    return out, lse
+
+
+def _own_chunk_only(q, k, v, layout, causal=False):
+    rank = dist.get_rank()
+    return attend(q, k, v, layout[rank], layout[rank], causal)
+
+
 def test_ring_forward_accepts_the_course_ring():
     assert nb14.ring_forward(cp.ring_forward).status == "correct"
+
+
+def test_ring_forward_accepts_batch_isend_irecv():
+    feedback = nb14.ring_forward(_ring(pass_fn=_batched_pass))
+    assert feedback.status == "correct", feedback
 
 
 @pytest.mark.parametrize(
@@ -192,11 +266,15 @@ def test_ring_forward_accepts_the_course_ring():
         (_everyone, "not its neighbour"),
         (_ring(pass_fn=_two_rank_pass), "compute the neighbours"),
         (_ring(pass_fn=_blocking_pass), "called dist.send"),
-        (_ring(overlap=False), "no chunk travels while another is computed"),
+        (_ring(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product"),
         (_ring(attend_causal=False), "*without* the causal mask"),
         (_ring(key_positions="mine"), "failed: IndexError"),  # positions of another chunk: the wrong length
         (_ring(result="out"), "return a pair"),
         (_waits_twice, "waited twice for the same request"),
+        (_keep_all(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product"),
+        (_keep_all(overlap=True), "chunks' K and V at once"),
+        (_c10d_all_gather, "called dist.all_gather"),
+        (_own_chunk_only, "no isend/irecv seen"),
     ],
 )
 def test_ring_forward_rejects_wrong_answers(answer, hint, monkeypatch):
@@ -212,6 +290,19 @@ def _slices(seq_len, world_size):
     return torch.arange(seq_len).tensor_split(2 * world_size)
 
 
+def _view(seq_len, world_size):  # raises when 2N does not divide the length
+    return torch.arange(seq_len).view(2 * world_size, -1)
+
+
+def _cut(seq_len, world_size):  # slices of seq_len // 2N tokens: drops the rest when 2N does not divide
+    size = seq_len // (2 * world_size)
+    return [torch.arange(i * size, (i + 1) * size) for i in range(2 * world_size)]
+
+
+# the course's layouts for the lengths the check used to try, written out
+_HARD_CODED = {(s, n): [p.tolist() for p in cp.zigzag_layout(s, n)] for s, n in ((24, 2), (24, 3), (32, 4))}
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -219,7 +310,10 @@ def _slices(seq_len, world_size):
         (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[r + n]]) for r in range(n)], "not balanced"),
         (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - r]]) for r in range(n)], "raised IndexError"),
         (lambda s, n: [torch.arange(r, s, n) for r in range(n)], "more than two slices"),
-        (lambda s, n: [list(range(0, 6)) + list(range(18, 24)), list(range(6, 18))], "one per rank"),  # 2 ranks, 24 tokens
+        (lambda s, n: [torch.arange(s)], "one per rank"),
+        (lambda s, n: _HARD_CODED[s, n], "raised KeyError"),
+        (lambda s, n: [torch.cat([_view(s, n)[r], _view(s, n)[2 * n - 1 - r]]) for r in range(n)], "2N does not divide"),
+        (lambda s, n: [torch.cat([_cut(s, n)[r], _cut(s, n)[2 * n - 1 - r]]) for r in range(n)], "none is dropped"),
         (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - 1 - r]]) for r in range(n - 1)] + [torch.arange(0)],
          "every token exactly once"),
         (lambda s, n: 42, "one 1-D tensor of token positions per rank"),

@@ -77,6 +77,17 @@ def _counts_by_expert_dispatch(x_sorted, counts, group=None):  # (E/N, N): exper
     return x_received, counts_received.T.contiguous().view(counts_received.shape)
 
 
+_COURSE_DISPATCH, _COURSE_COMBINE = ep.dispatch, ep.combine  # the check puts the answer's in their place
+
+
+def _default_group_dispatch(x_sorted, counts, group=None):  # ignores group: all ranks
+    return _COURSE_DISPATCH(x_sorted, counts)
+
+
+def _default_group_combine(y_received, counts, counts_received, group=None):
+    return _COURSE_COMBINE(y_received, counts, counts_received)
+
+
 def _unswapped_combine(y_received, counts, counts_received, group=None):  # the dispatch's splits again
     n = dist.get_world_size(group)
     send = counts.view(n, -1).sum(1).tolist()
@@ -90,7 +101,8 @@ def _no_exchange_combine(y_received, counts, counts_received, group=None):  # re
 @pytest.mark.parametrize(
     "dispatch, combine, hint",
     [
-        (_gather_dispatch, ep.combine, "every token went to every rank"),
+        (_gather_dispatch, ep.combine, "all_gather of the tokens over all ranks"),
+        (_default_group_dispatch, _default_group_combine, "the ep group of a 2 x 2 mesh"),
         (_even_dispatch, ep.combine, "differs from the single-process layer's"),
         (_symmetric_dispatch, ep.combine, "differs from the single-process layer's"),
         (_two_rank_dispatch, ep.combine, "with 3 ranks"),
@@ -107,7 +119,8 @@ def test_dispatch_combine_rejects_wrong_answers(dispatch, combine, hint):
 
 def test_dispatch_combine_accepts_the_course_functions_and_cases_cover_what_it_claims():
     assert nb15.dispatch_combine(ep.dispatch, ep.combine).status == "correct"
-    assert sorted(case[0] for case in nb15.LAYER_CASES) == [2, 3, 4]
+    assert sorted(case[0] for case in nb15.LAYER_CASES) == [2, 3, 4, 4]
+    assert any(case[-1] > 1 for case in nb15.LAYER_CASES)  # a layer on a subgroup
     assert any(case[3] is not None for case in nb15.LAYER_CASES)  # a capacity that drops
     assert any(len(set(case[5])) > 1 for case in nb15.LAYER_CASES)  # uneven tokens per rank
 
@@ -134,6 +147,7 @@ def _right(counts, rank, dim):
         (lambda c, r, d: int(c[r].sum() - c[r, r]) * d, "a float32 value is 4 bytes"),
         (lambda c, r, d: 16 * d * 4 * (len(c) - 1) // len(c), "you predicted"),  # a balanced-load law
         (lambda c, r, d: 4352, "you predicted"),  # one right answer, hard-coded
+        (lambda c, r, d: int(c[r].sum() - c[r, r]) * 128 * 4, "you predicted"),  # dim hard-coded
         (lambda c, r, d: "many", "return a number of bytes"),
     ],
 )
@@ -144,6 +158,8 @@ def test_bytes_sent_rejects_wrong_answers(predict, hint):
 
 def test_bytes_sent_accepts_the_payload_and_the_payload_plus_headers():
     assert nb15.bytes_sent(_right).status == "correct"
+    assert nb15.bytes_sent(lambda c, r, d: (c[r].sum() - c[r, r]) * d * 4).status == "correct"  # a 0-d tensor
+    assert len(set(nb15.BYTES_DIMS.values())) == len(nb15.BYTES_DIMS)  # dim varies with the world size
     assert nb15.bytes_sent(lambda c, r, d: _right(c, r, d) + 144 * (len(c) - 1)).status == "correct"
 
 
@@ -156,34 +172,48 @@ def test_random_send_counts_keep_a_chunk_at_home():
 # ------------------------------------------------------------------ Exercise 3: EP x DP gradient sync
 
 
+def _trained(model):  # the parameters with a gradient (the check's experts have frozen biases)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _ddp_average(model, expert_data_group):  # the colleague's bug: experts divided by the dp group's size
-    for name, p in model.named_parameters():
-        group = expert_data_group if ep.is_expert(name) else None
+    experts = ep.expert_parameters(model)
+    for p in _trained(model):
+        group = expert_data_group if id(p) in experts else None
         dist.all_reduce(p.grad, group=group)
         p.grad /= dist.get_world_size(group)
 
 
 def _everything_over_all_ranks(model, expert_data_group):
-    for p in model.parameters():
+    for p in _trained(model):
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
 
 
 def _router_over_dp_group(model, expert_data_group):
-    for p in model.parameters():
+    for p in _trained(model):
         dist.all_reduce(p.grad, group=expert_data_group)
         p.grad /= dist.get_world_size()
 
 
 def _hard_coded_four(model, expert_data_group):
-    for name, p in model.named_parameters():
-        dist.all_reduce(p.grad, group=expert_data_group if ep.is_expert(name) else None)
+    experts = ep.expert_parameters(model)
+    for p in _trained(model):
+        dist.all_reduce(p.grad, group=expert_data_group if id(p) in experts else None)
         p.grad /= 4
 
 
+def _frozen_not_skipped(model, expert_data_group):  # right, but all_reduce(None) for a frozen parameter
+    experts = ep.expert_parameters(model)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=expert_data_group if id(p) in experts else None)
+        p.grad /= dist.get_world_size()
+
+
 def _experts_not_synced(model, expert_data_group):
-    for name, p in model.named_parameters():
-        if not ep.is_expert(name):
+    experts = ep.expert_parameters(model)
+    for p in _trained(model):
+        if id(p) not in experts:
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
 
@@ -196,6 +226,7 @@ def _experts_not_synced(model, expert_data_group):
         (_router_over_dp_group, "the experts are right but the router is not"),
         (_hard_coded_four, "on a 2 x 1 mesh"),
         (_experts_not_synced, "the experts are not"),
+        (_frozen_not_skipped, "frozen biases"),
     ],
 )
 def test_ep_dp_sync_rejects_wrong_answers(sync, hint):

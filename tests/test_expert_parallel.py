@@ -164,22 +164,62 @@ def test_ep_times_dp_with_sync_gradients_trains_like_one_process(world_size, dp)
     # (wrong syncs, e.g. experts averaged over the wrong group: tests/test_checks_nb15.py and notebook 15)
 
 
-def _sync_with_frozen_and_unused(rank, world_size):
-    torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"router": torch.nn.Linear(2, 2), "experts": torch.nn.ModuleList([torch.nn.Linear(2, 2)])})
-    model["router"].bias.requires_grad_(False)  # frozen
-    model["router"].weight.grad = torch.full((2, 2), float(rank + 1))
+def _sync_with_frozen_unused_and_shared(rank, world_size):
+    # on 2 ranks, a 2 x 1 mesh (dp x ep): both ranks hold the same 2 experts (expert_data_group = all)
+    # and a replicated dense layer named like experts, "shared_experts", that must be synced as replicated
+    ep_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group, in order
+    model = torch.nn.ModuleDict({"moe": ep.ExpertParallelMoE(ep.MoE(2, 4, 2), ep_groups[rank]),
+                                 "shared_experts": torch.nn.Linear(2, 2)})
+    router, expert, shared = model["moe"].router, model["moe"].experts[0], model["shared_experts"]
+    shared.bias.requires_grad_(False)  # frozen
+    router.weight.grad = torch.full((2, 2), float(rank + 1))
+    shared.weight.grad = torch.full((2, 2), float(rank + 1))
     # the expert got no gradient on rank 0 (unused there), 3.0 on rank 1
-    model["experts"][0].weight.grad = None if rank == 0 else torch.full((2, 2), 3.0)
-    ep.sync_gradients(model, dist.new_group([0, 1]))
-    return (model["router"].bias.grad, model["router"].weight.grad[0, 0].item(),
-            model["experts"][0].weight.grad[0, 0].item(), model["experts"][0].bias.grad.abs().sum().item())
+    expert.up.weight.grad = None if rank == 0 else torch.full((4, 2), 3.0)
+    ep.sync_gradients(model, expert_data_group=None)
+    return (shared.bias.grad, router.weight.grad[0, 0].item(), shared.weight.grad[0, 0].item(),
+            expert.up.weight.grad[0, 0].item(), expert.up.bias.grad.abs().sum().item())
 
 
-def test_sync_gradients_skips_frozen_parameters_and_joins_with_zeros_for_unused_ones():
-    results = launch(_sync_with_frozen_and_unused, 2, show=None, timeout=60)
-    # router: (1 + 2) / 2; expert: (0 + 3) / 2 (summed over its group, divided by all ranks); unused bias: 0
-    assert results == [(None, 1.5, 1.5, 0.0)] * 2
+def test_sync_gradients_selects_experts_by_module_skips_frozen_and_joins_with_zeros_for_unused():
+    results = launch(_sync_with_frozen_unused_and_shared, 2, show=None, timeout=60)
+    # router and shared_experts (replicated): (1 + 2) / 2; expert: (0 + 3) / 2 (summed over its group,
+    # divided by all ranks); unused bias: 0; frozen bias: no gradient
+    assert results == [(None, 1.5, 1.5, 1.5, 0.0)] * 2
+
+
+def test_expert_parameters_are_chosen_by_module_not_by_name():
+    model = torch.nn.ModuleDict({"shared_experts": torch.nn.Linear(2, 2)})
+    assert ep.expert_parameters(model) == set()  # "experts." is in its parameters' names, yet it is no expert
+    model = torch.nn.ModuleDict({"moe": ep.MoE(2, 4, 2)})
+    assert ep.expert_parameters(model) == set()  # a single-process MoE is replicated: no expert-parallel layer
+
+
+def _differently_initialised(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(rank)  # every rank its own initial weights, as if a seed were forgotten
+    layer = ep.ExpertParallelMoE(ep.MoE(DIM, HIDDEN, 4), mesh.get_group("ep"), mesh.get_group("dp"))
+    routers = [torch.empty_like(layer.router.weight) for _ in range(world_size)]
+    dist.all_gather(routers, layer.router.weight.detach())
+    experts = torch.cat([p.detach().flatten() for p in layer.experts.parameters()])
+    same_experts = [torch.empty_like(experts) for _ in range(world_size)]
+    dist.all_gather(same_experts, experts)
+    torch.manual_seed(0)
+    rank0 = ep.MoE(DIM, HIDDEN, 4)  # rank 0's full layer: its router is everyone's
+    torch.manual_seed(rank % 2)  # the first rank of my dp group ({0, 2} or {1, 3}): its experts are mine
+    source = ep.MoE(DIM, HIDDEN, 4)
+    first = mesh.get_local_rank("ep") * 2
+    source_experts = torch.cat([p.detach().flatten() for e in source.experts[first:first + 2] for p in e.parameters()])
+    return (all(torch.equal(w, rank0.router.weight) for w in routers),
+            torch.equal(same_experts[rank], same_experts[rank ^ 2]),  # the other rank of my dp group
+            torch.equal(experts, source_experts))
+
+
+def test_ranks_initialised_differently_start_from_rank_0s_router_and_their_dp_groups_experts():
+    results = launch(_differently_initialised, 4, show=None, timeout=60)
+    assert results == [(True, True, True)] * 4
 
 
 # ------------------------------------------------------------------ notebook 15 derives this code
@@ -200,7 +240,7 @@ def _notebook_definitions():
 
 
 DERIVED = ["Expert", "Routing", "within_capacity", "route", "load_balancing_loss", "MoE", "AllToAll",
-           "run_experts", "ExpertParallelMoE", "is_expert"]  # dispatch and combine: Exercise 1, the package's printed
+           "run_experts", "ExpertParallelMoE", "expert_parameters"]  # dispatch and combine: Exercise 1, the package's printed
 
 
 @pytest.mark.parametrize("name", DERIVED)

@@ -1,5 +1,6 @@
 """README, CI script, pyproject.toml, environment.yml and constraints.txt agree."""
 
+import json
 import re
 from pathlib import Path
 
@@ -92,6 +93,26 @@ def test_the_oldest_pair_ci_tests_is_exactly_the_floor_pyproject_declares():
     ci = (ROOT / ".ci" / "old-torch").read_text()
     assert "-c constraints-oldest.txt torch torchvision" in ci and "pytest notebooks/ tests/ " in ci
     assert ".ci/old-torch" in (ROOT / ".ci" / "run").read_text()
+
+
+def _needs_torchvision_or_part_two(notebook):
+    """True if a student notebook's code uses torchvision (directly, or through course.data or course.train,
+    which load CIFAR-10 with it) or is one of the notebooks that declare torch >= PART_II_TORCH (11-13)."""
+    cells = json.loads(notebook.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("#", "%pip")))
+    return int(notebook.name[:2]) >= 11 or re.search(r"torchvision|course\.data|course\.train|-m course\.train", code)
+
+
+def test_the_no_nccl_ci_runs_every_notebook_that_a_cpu_only_torch_can():
+    # A CPU-only torch has no NCCL (default_pg_nccl_timeout is None there) and PyPI's torchvision cannot load
+    # beside it: .ci/no-nccl runs every student notebook that needs neither torchvision nor torch >= 2.15.
+    ci = (ROOT / ".ci" / "no-nccl").read_text()
+    listed = sorted(re.findall(r"notebooks/(\d\d_\w+\.ipynb)", ci))
+    expected = sorted(nb.name for nb in (ROOT / "notebooks").glob("*.ipynb") if not _needs_torchvision_or_part_two(nb))
+    assert listed == expected
+    assert "torch==2.13.0+cpu" in ci and "default_pg_nccl_timeout is None" in ci
+    assert "bash .ci/no-nccl" in (ROOT / ".ci" / "run").read_text()
 
 
 # ---------------------------------------------------------------- one repository URL

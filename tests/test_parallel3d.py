@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 NOTEBOOK = SOLUTIONS / "16_putting_it_together.ipynb"
-TINY = planner.Model("TinyLM", layers=2, hidden=16, ffn=64, heads=4, kv_heads=4, vocab=32, ffn_matrices=2, bias=True, norms=False)
+TINY = planner.Model("TinyLM", layers=2, hidden=16, ffn=64, heads=4, kv_heads=4, vocab=32, ffn_matrices=2, bias=True,
+                     norms=False, vocab_parallel=False)
 MESSAGE, SEND, RECV = 288, 96, 48  # gloo's header bytes per ring message, per send, per recv notice (measured in 16)
 
 
@@ -31,7 +32,7 @@ def test_3d_training_equals_one_process_and_sends_what_the_laws_and_headers_say(
         assert r["diff"] < 1e-6
         stage = parallel3d.coordinates(rank, *shape)[1]
         assert r["param_bytes"] == 4 * planner.stage_params(TINY, tp, pp, stage)
-        config = planner.Config(dp=dp, pp=pp, tp=tp, zero=0, micro_batch=parallel3d.BATCH // (dp * m))
+        config = planner.Config(dp=dp, pp=pp, tp=tp, zero=0, micro_batch=parallel3d.BATCH // (dp * m), sp=False)
         law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
         headers = {"tp": 4 * (TINY.layers // pp) * m * 2 * (tp - 1) * MESSAGE,
                    "pp": m * (SEND + RECV) if pp > 1 else 0, "dp": 2 * (dp - 1) * MESSAGE}
@@ -72,6 +73,21 @@ def test_planner_best_fits_and_beats_every_other_fitting_configuration():
     for config in planner.candidates(model, cluster, 512, 8192):
         if planner.fits(model, cluster, config, 8192, 512):
             assert planner.step_time(model, cluster, config, 8192, 512)["total"] >= t
+
+
+def test_activation_coefficient_is_measured_from_the_saved_tensors():
+    # a GELU block without norms keeps fewer tensors than a SwiGLU block with RMSNorm, and more heads of the
+    # same width change nothing per hidden feature
+    llama = planner.activation_coefficient(planner.LLAMA3_8B)
+    gpt_like = planner.activation_coefficient(TINY)
+    assert 40 < llama < 70 and gpt_like < llama
+    assert abs(planner.activation_coefficient(planner.LLAMA3_70B) - llama) < 2
+
+
+def test_planner_stage_memory_follows_1f1b():
+    config = planner.Config(dp=4, tp=4, pp=4, zero=2)
+    act = [planner.memory(planner.LLAMA3_70B, config, 8192, 512, stage=s)["activations"] for s in range(4)]
+    assert act[0] > act[1] > act[2] > act[3] > act[0] / 4  # 4, 3, 2, 1 micro-batches held; the last adds the logits
 
 
 def test_planner_memory_follows_zero_stages():

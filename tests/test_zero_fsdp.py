@@ -28,9 +28,9 @@ from course.notebooks import SOLUTIONS, solution_code
 from course.zero import flat_padded, zero1_setup, zero1_step
 
 # Measured on torch 2.8: these fail there (FSDP2 differs there); the
-# course declares notebooks 11-13 for torch >= PART_II_TORCH (course/doctor.py, README).
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-13 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
 )
 
 
@@ -75,6 +75,7 @@ def _defined_in_notebook(name):
 @pytest.mark.parametrize(
     "module, name",
     [(course.memory, "storage_bytes"), (course.memory, "bytes_per_rank"), (course.zero, "flat_padded"),
+     (course.memory, "saved_activation_bytes"),
      (course.zero, "zero1_setup"), (course.zero, "zero1_step"), (course.memory, "LiveBytes"),
      (course.fsdp, "shard_parameters"), (course.fsdp, "gather_parameter"), (course.fsdp, "free_parameter"),
      (course.fsdp, "reduce_scatter_gradients"), (course.fsdp, "fully_shard_by_hand"), (course.fsdp, "compute_in"),

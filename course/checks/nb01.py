@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from course.exercises import correct, exercise, wrong
 
@@ -29,14 +30,33 @@ def _plain_mean_of_chunk_grads(model, x, y, n_chunks):
     return torch.stack(grads).mean(0)
 
 
+class _AutogradSpy(TorchFunctionMode):
+    """Notes every call into autograd's engine (``.backward()``, ``torch.autograd.grad``, which ``torch.func``
+    uses too) while it is active, even under ``torch.enable_grad()``."""
+
+    ENGINE = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.ENGINE:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 @exercise("Exercise 1 (weight_grad)", hint="write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
 def weight_grad(fn):
     """Exercise 1: the weight gradient of the MSE loss, by hand."""
     model, x, y = _problem()
     expected = _autograd_weight_grad(model, x, y)
     model.zero_grad(set_to_none=True)  # the answer must compute it, not find autograd's in .grad
-    with torch.no_grad():
+    with torch.no_grad(), _AutogradSpy() as spy:
         got = fn(model, x, y)
+    if spy.calls:
+        return wrong(f"your function asks autograd ({spy.calls[0]}): the exercise is to derive the gradient by hand, "
+                     "with the chain rule, and compute it with matrix products.")
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return wrong(f"return a tensor shaped like model.weight {tuple(expected.shape)}: (out_features, in_features).")
     if torch.allclose(got, expected):

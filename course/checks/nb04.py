@@ -1,7 +1,11 @@
 """Checks for notebook 04 (gradient buckets and communication hooks)."""
 
+import importlib
 import inspect
 import math
+import pkgutil
+import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -60,16 +64,53 @@ def n_buckets(answer):
     return wrong("list the parameters in the order their gradients are ready (last layer first, bias before weight), add up 4 bytes per element, and start a new bucket each time the running total reaches 2 MiB.")
 
 
+def _builtin_hook_code():
+    """Where every function of PyTorch's comm-hook modules is defined (file, line, name), nested functions
+    included (the hooks that ``bf16_compress_wrapper`` and friends return). A hook that runs any of that
+    code uses PyTorch's hooks, whatever name it was imported, renamed or wrapped under. (Compared by place,
+    not by identity: a spawned rank receives a wrapped hook by value, with a copy of its code.)"""
+    from torch.distributed.algorithms import ddp_comm_hooks
+
+    found = set()
+
+    def collect(code):
+        found.add(_where(code))
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                collect(const)
+
+    for info in pkgutil.iter_modules(ddp_comm_hooks.__path__):
+        try:
+            module = importlib.import_module(f"{ddp_comm_hooks.__name__}.{info.name}")
+        except Exception:  # a module this torch cannot import (an optional dependency): nothing to flag
+            continue
+        for value in vars(module).values():
+            if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+                collect(value.__code__)
+    return found
+
+
+def _where(code):
+    return code.co_filename, code.co_firstlineno, code.co_name
+
+
 def _grads_with_hook(rank, world_size, hook):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    # Flag PyTorch's own hooks, however they are called (directly, imported by name, renamed, wrapped):
+    # a profile function sees every Python call this thread makes, and compares its code with theirs.
+    builtin, used_builtin = _builtin_hook_code(), []
 
-    # Flag PyTorch's own hooks, however they are called (directly, renamed, or wrapped): they all
-    # go through these two helpers of default_hooks, looked up by name when called.
-    used_builtin = []
-    for name in ("_compress_hook", "_allreduce_fut"):
-        original = getattr(default_hooks, name)
-        setattr(default_hooks, name, lambda *a, _f=original, _n=name: used_builtin.append(_n) or _f(*a))
+    def watch_calls(frame, event, arg):
+        if event == "call" and _where(frame.f_code) in builtin:
+            used_builtin.append(frame.f_code.co_name)
 
+    sys.setprofile(watch_calls)
+    try:
+        return _run_hook(rank, world_size, hook, used_builtin)
+    finally:
+        sys.setprofile(None)
+
+
+def _run_hook(rank, world_size, hook, used_builtin):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
     reference = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -140,7 +181,8 @@ def bf16_hook(fn):
     params = list(inspect.signature(fn).parameters)
     if len(params) != 2 or params[1] != "bucket":
         return wrong("DDP calls a hook with two arguments, and the second must be named `bucket`: def bf16_hook(process_group, bucket).")
-    if fn in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook, default_hooks.allreduce_hook):
+    if fn in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook, default_hooks.allreduce_hook) \
+            or (hasattr(fn, "__code__") and _where(fn.__code__) in _builtin_hook_code()):
         return wrong("that is PyTorch's own hook: write the cast, the all_reduce and the copy back yourself.")
     try:
         result = launch(_grads_with_hook, 2, fn, backend="traced", show=None, timeout=60)[0]
@@ -150,7 +192,8 @@ def bf16_hook(fn):
             return wrong(f"DDP wants a torch.futures.Future back: return dist.all_reduce(..., async_op=True).get_future().then(...). ({summary})")
         return wrong(f"a rank failed: {summary}")
     if result["builtin"]:
-        return wrong("your hook calls PyTorch's own hook (default_hooks): write the cast, the all_reduce and the copy back yourself.")
+        return wrong(f"your hook calls PyTorch's own hook code ({', '.join(result['builtin'])}, in "
+                     "torch.distributed.algorithms.ddp_comm_hooks): write the cast, the all_reduce and the copy back yourself.")
     got, expected = torch.cat([g.flatten() for g in result["got"]]), torch.cat([g.flatten() for g in result["expected"]])
     if "bfloat16" not in result["dtypes"]:
         return wrong(f"the all_reduce ran in {', '.join(sorted(set(result['dtypes']))) or 'nothing'}: cast the bucket's buffer to torch.bfloat16 before all-reducing it.")

@@ -175,7 +175,10 @@ def _bn_autograd(x, weight, upstream, eps):
     return x.grad
 
 
-@exercise("Exercise 3 (input_grad)", hint="∂L/∂x = weight * invstd * (g - Σg / n - x_hat * Σg·x̂ / n).")
+_INPUT_GRAD_HINT = ("three paths lead from x_i to the loss: through x̂_i itself, through the mean μ and through the variance σ², which every x̂_j uses. Write ∂L/∂x_i = Σ_j g_j γ ∂x̂_j/∂x_i with ∂μ/∂x_i = 1/n and ∂σ²/∂x_i = 2(x_i − μ)/n, then simplify with Σ_j x̂_j = 0. Every Σ runs over the global batch: that is what sum_g, sum_g_xhat and n are for.")
+
+
+@exercise("Exercise 3 (input_grad)", hint=_INPUT_GRAD_HINT)
 def input_grad(fn):
     """Exercise 3: BatchNorm's input gradient on one rank, given the global sums."""
     eps = 1e-5
@@ -213,4 +216,4 @@ def input_grad(fn):
         return wrong("y = weight * x_hat + bias: multiply by weight as well as by invstd.")
     if _close(pieces[0], scale * (upstream[:4] - sum_g / 4 - x_hat[:4] * sum_g_xhat / 4)):
         return wrong("divide by n, the global count, not by this rank's number of samples.")
-    return wrong("∂L/∂x = weight * invstd * (g - Σg / n - x_hat * Σg·x̂ / n).")
+    return wrong(_INPUT_GRAD_HINT)

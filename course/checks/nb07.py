@@ -2,6 +2,7 @@
 
 import io
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from course.checkpoint import die_halfway
+from course.crash import die_halfway
 from course.exercises import correct, exercise, wrong
 from course.launcher import WorkerError, launch
 
@@ -78,6 +79,19 @@ def _load_step(path):
         return torch.load(path, weights_only=True)["step"]
 
 
+def _folder_fsync_instead_of_file(events):
+    """True if some rename was preceded (since the previous rename) by fsyncs of folders only."""
+    since_rename = []
+    for kind, size, _ in events:
+        if kind == "fsync":
+            since_rename.append(size)
+            continue
+        if since_rename and all(size == "folder" for size in since_rename):
+            return True
+        since_rename = []
+    return False
+
+
 @exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final "
           "name; if saving fails, delete the temporary file and re-raise.")
 def atomic_save(fn):
@@ -100,8 +114,10 @@ def atomic_save(fn):
 
         def recording(kind):
             def call(*args, **kwargs):
-                if kind == "fsync":  # how many bytes had reached the OS when fsync ran
-                    order.append(("fsync", os.fstat(args[0]).st_size if args and isinstance(args[0], int) else None, args))
+                if kind == "fsync":  # how many bytes had reached the OS when fsync ran ("folder": a folder's fsync)
+                    info = os.fstat(args[0]) if args and isinstance(args[0], int) else None
+                    size = None if info is None else "folder" if stat.S_ISDIR(info.st_mode) else info.st_size
+                    order.append(("fsync", size, args))
                 else:
                     order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None, args))
                 return real[kind](*args, **kwargs)
@@ -150,7 +166,12 @@ def atomic_save(fn):
         if leftovers:
             return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
-        fsyncs = [size for kind, size, _ in good_saves if kind == "fsync"]
+        fsyncs = [size for kind, size, _ in good_saves if kind == "fsync" and size != "folder"]
+        synced_only_the_folder = [size for kind, size, _ in good_saves if kind == "fsync"] and not fsyncs
+        if synced_only_the_folder or _folder_fsync_instead_of_file(good_saves):
+            return wrong("you fsync the folder, not the temporary file: the file's bytes must reach the disk before "
+                         "the rename (f.flush(), then os.fsync(f.fileno())). Fsyncing the folder *after* os.replace is "
+                         "a good extra step (it makes the rename itself durable), not a replacement.")
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")

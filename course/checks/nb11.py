@@ -11,7 +11,7 @@ from course import tracing
 from course.exercises import correct, exercise, wrong
 from course.launcher import launch
 from course.memory import bytes_per_rank as measure_bytes
-from course.memory import storage_bytes
+from course.memory import saved_activation_bytes, storage_bytes
 from course.zero import zero1_setup, zero1_step as reference_zero1_step
 
 # ------------------------------------------------------------------ Exercise 1
@@ -445,19 +445,10 @@ def checkpoint_sequential_counts(segments=3, batch=32):
     calls = [0] * len(model)
     for i, b in enumerate(model):
         b.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(batch, 128, generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = checkpoint_sequential(model, segments, x, use_reentrant=False)
+    saved, out = saved_activation_bytes(lambda x: checkpoint_sequential(model, segments, x, use_reentrant=False), model, x)
     out.square().mean().backward()
-    return calls, sum(saved.values()) / 1024
+    return calls, saved / 1024
 
 
 @exercise(

@@ -2,9 +2,11 @@
 
 import contextlib
 import random
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,15 +21,17 @@ TIMEOUT = 30  # seconds; a ring whose sends and receives do not match hangs unti
 # ------------------------------------------------------------------ Exercise 1: merge two partial results
 
 
-def _partials(seed, scale, causal):
-    """Full attention of 5 queries over 9 keys, and the partial results over keys 0-3 and 4-8."""
+def _partials(seed, scale, causal, first_query=4, lead=(2,)):
+    """Full attention of 5 queries (positions first_query, ...) over 9 keys, and the partial results
+    over keys 0-3 and 4-8. With a causal mask and first_query 0, queries 0-3 see none of keys 4-8
+    (their partial result there: out 0, lse -inf)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, n, DIM, generator=g) for n in (5, 9, 9))
+    q, k, v = (torch.randn(*lead, n, DIM, generator=g) for n in (5, 9, 9))
     q = q * scale
-    q_pos, k_pos = torch.arange(4, 9), torch.arange(9)  # causal: query 4 sees keys 0-4, ..., query 8 all
+    q_pos, k_pos = torch.arange(first_query, first_query + 5), torch.arange(9)
     whole = cp.attend(q, k, v, q_pos, k_pos, causal)
-    first = cp.attend(q, k[:, :4], v[:, :4], q_pos, k_pos[:4], causal)
-    second = cp.attend(q, k[:, 4:], v[:, 4:], q_pos, k_pos[4:], causal)
+    first = cp.attend(q, k[..., :4, :], v[..., :4, :], q_pos, k_pos[:4], causal)
+    second = cp.attend(q, k[..., 4:, :], v[..., 4:, :], q_pos, k_pos[4:], causal)
     return whole, first, second
 
 
@@ -45,9 +49,15 @@ def _as_pair(result):
 def merge(fn):
     """Exercise 1: merge two partial attention results (out, lse) into the result over both key sets."""
     seed = random.randrange(1 << 30)  # fresh inputs each time: no answer can be hard-coded
-    cases = [("small scores", 1.0, False), ("a causal mask", 1.0, True), ("large scores", 60.0, False)]
-    for name, scale, causal in cases:
-        (out, lse), (out1, lse1), (out2, lse2) = _partials(seed, scale, causal)
+    cases = [  # (name, scale, causal, first query's position, leading dims)
+        ("small scores", 1.0, False, 4, (2,)),
+        ("a causal mask", 1.0, True, 4, (2,)),
+        ("queries that see none of one chunk (lse -inf)", 1.0, True, 0, (2,)),
+        ("large scores", 60.0, False, 4, (2,)),
+        ("4-D (batch, heads, tokens, dim) tensors", 1.0, True, 0, (2, 3)),
+    ]
+    for name, scale, causal, first_query, lead in cases:
+        (out, lse), (out1, lse1), (out2, lse2) = _partials(seed, scale, causal, first_query, lead)
         for args, order in (((out1, lse1, out2, lse2), ""), ((out2, lse2, out1, lse1), " (partials given in the other order)")):
             try:
                 result = _as_pair(fn(*(t.clone() for t in args)))
@@ -74,7 +84,8 @@ def merge(fn):
                     return wrong("the plain average weighs both chunks equally; weigh each by its share of the "
                                  "softmax's denominator, e^(lse_i - lse).")
                 return wrong(f"with {name}{order} the merged output differs from attention over all keys.")
-    return correct("small and large scores, a causal mask, both orders: the merge equals attention over all keys.")
+    return correct("small and large scores, a causal mask, queries that see none of a chunk, 3-D and 4-D "
+                   "tensors, both orders: the merge equals attention over all keys.")
 
 
 # ------------------------------------------------------------------ Exercise 2: ring attention's forward
@@ -90,22 +101,24 @@ RING_CASES = [
 LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
                "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
-BLOCKING = ("send", "recv", "batch_isend_irecv")
+BLOCKING = ("send", "recv")  # batch_isend_irecv is not blocking: it calls isend/irecv, which the check logs
 
 
 class _Watch(TorchDispatchMode):
-    """Logs the ops a rank runs: matrix products (the attention's work) and the largest number of
-    tokens any (..., tokens, DIM) tensor held."""
+    """Logs the ops a rank runs: matrix products (the attention's work), how many chunks of K/V the
+    receive buffers alive during a product held at most, and the largest number of tokens any
+    (..., tokens, DIM) tensor held."""
 
-    def __init__(self, log):
+    def __init__(self, log, held):
         super().__init__()
-        self.log, self.most_tokens = log, 0
+        self.log, self.most_tokens, self.held, self.most_held = log, 0, held, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
         if "mm" in name or "scaled_dot_product" in name:
             self.log.append(("compute",))
+            self.most_held = max(self.most_held, self.held())
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == DIM:
                 self.most_tokens = max(self.most_tokens, t.shape[-2])
@@ -141,13 +154,19 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
     mine = layout[rank]
 
     log, peers, used = [], set(), []
+    receiving = []  # a weak reference to every irecv's buffer
+    kv_bytes = 2 * q[..., :1, :].nbytes * max(len(p) for p in layout)  # one rank's K and V at most
 
     def watched(name, original):
-        def call(tensor, peer, *args, **kwargs):
+        def call(tensor, *args, **kwargs):  # also as batch_isend_irecv calls it: peer as group_dst/group_src
+            peer = args[0] if args else next((kwargs[key] for key in ("dst", "src", "group_dst", "group_src")
+                                              if kwargs.get(key) is not None), None)
             peers.add((name, peer))
             key = len(log)
+            if name == "irecv":  # the earlier receive buffers still alive now, besides this one
+                receiving.append(weakref.ref(tensor))
             log.append((name, key))
-            return _Request(original(tensor, peer, *args, **kwargs), log, key)
+            return _Request(original(tensor, *args, **kwargs), log, key)
         return call
 
     def collective(name, original):
@@ -158,15 +177,21 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
 
     patches = [("isend", watched("isend", dist.isend)), ("irecv", watched("irecv", dist.irecv))]
     patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
-    watch = _Watch(log)
+    def held():  # chunks' worth of K/V in the receive buffers still alive
+        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in receiving if (t := r()) is not None}
+        return sum(alive.values()) / kv_bytes
+
+    watch = _Watch(log, held)
     local = [t[..., mine, :].clone() for t in (q, k, v)]
     with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
-        for name, replacement in patches:
+        for name, replacement in patches:  # torch.distributed's names, the answer's, and distributed_c10d's
             stack.enter_context(replaced(dist, name, replacement, forward))
+            if getattr(c10d, name, None) is not replacement and hasattr(c10d, name):
+                stack.enter_context(replaced(c10d, name, replacement))
         with watch:
             result = forward(*local, layout, causal)
     result = _as_pair(result)
-    report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log,
+    report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log, "most_held": watch.most_held,
               "largest_chunk": max(len(p) for p in layout)}
     if result is None:
         return {**report, "bad_result": True}
@@ -179,18 +204,18 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
 
 
 def _overlapped(log):
-    """Every matrix product before the last receive was posted ran while a receive was in flight
-    (posted, not yet waited for). Only the last step's attention may run with nothing arriving."""
-    posts = [i for i, event in enumerate(log) if event[0] == "irecv"]
-    in_flight = set()
-    for i, event in enumerate(log):
+    """Every receive was in flight while a matrix product ran: between posting each irecv and
+    waiting for it, the rank computed (attention on the chunk it holds). Only meaningful without
+    a causal mask: with one, a chunk that no query of this rank sees costs no product at all."""
+    posted, computed = set(), set()
+    for event in log:
         if event[0] == "irecv":
-            in_flight.add(event[1])
-        elif event[0] == "wait":
-            in_flight.discard(event[1])
-        elif event[0] == "compute" and not in_flight and i < posts[-1]:
+            posted.add(event[1])
+        elif event[0] == "compute":
+            computed |= posted
+        elif event[0] == "wait" and event[1] in posted and event[1] not in computed:
             return False
-    return bool(posts)
+    return True
 
 
 def _judge_ring(results, world_size, seq_len, causal, layout_name):
@@ -216,10 +241,19 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
         if strangers:
             return wrong(f"with {case}, rank {rank} talked to rank {strangers[0]}, which is not its neighbour: "
                          "in a ring each rank receives from one neighbour and sends to the other.")
+        held = r["most_held"]
+        if held > 2:
+            return wrong(f"with {case}, rank {rank}'s receive buffers still alive held {held:.1f} chunks' K and V "
+                         "at once: a ring rank keeps the chunk it computes on and the one arriving, no more. "
+                         "Attend to each chunk while the next one travels, then let it go.")
         if r["most_tokens"] > r["largest_chunk"]:
             return wrong(f"with {case}, rank {rank} built a tensor of {r['most_tokens']} tokens, more than a "
                          f"chunk ({r['largest_chunk']}): a ring rank holds one K/V chunk at a time (and the next "
                          "one arriving), never the whole sequence.")
+    for rank, r in enumerate(results):
+        if world_size > 1 and not any(event[0] == "irecv" for event in r["log"]):
+            return wrong(f"with {case}, rank {rank} received nothing with dist.irecv (no isend/irecv seen): pass "
+                         "the K/V chunks to the next rank with dist.isend / dist.irecv (start_pass).")
     if not all(r["ok_out"] for r in results):
         if causal and all(r["uncausal"] for r in results):
             return wrong(f"with {case} the output is attention *without* the causal mask: pass causal on to attend.")
@@ -229,9 +263,10 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
                      "chunk must be seen exactly once.")
     if not all(r["ok_lse"] for r in results):
         return wrong(f"with {case} the output is right but lse is not: return the merged log-sum-exp.")
-    if not all(_overlapped(r["log"]) for r in results):
-        return wrong("the result is right, but no chunk travels while another is computed: post the "
-                     "isend/irecv of the next chunk *before* calling attend on the current one, and wait after.")
+    if not causal and not all(_overlapped(r["log"]) for r in results):
+        return wrong("the result is right, but a chunk arrived while nothing was computed: between posting each "
+                     "irecv and waiting for it the check saw no matrix product. Post the isend/irecv of the next "
+                     "chunk *before* calling attend on the current one, and wait after.")
     return None
 
 
@@ -265,7 +300,8 @@ def ring_forward(forward):
 
 # ------------------------------------------------------------------ Exercise 3: the zig-zag layout
 
-LAYOUT_CASES = [(2, 24), (3, 24), (4, 32)]
+UNEVEN_CASES = [(2, 13), (3, 26)]  # lengths that 2N does not divide: slices differ by one token
+UNEVEN_TOLERANCE = 1.25  # the course's layout: slowest / fastest rank 1.12 (13 on 2) and 1.10 (26 on 3)
 
 
 def _flops(rank, world_size, layout):
@@ -282,17 +318,22 @@ def _runs(positions):
 
 @exercise(
     "Exercise 3 (zigzag_layout)",
-    hint="cut the sequence into 2N equal slices; under a causal mask slice i costs about i + 1/2 blocks of work, "
+    hint="cut the sequence into 2N slices with torch.tensor_split (equal when 2N divides the length, else "
+    "differing by one token); under a causal mask slice i costs about i + 1/2 blocks of work, "
     "so give each rank two slices whose costs add up to the same total: an early one and a late one.",
 )
 def zigzag_layout(fn):
     """Exercise 3: a layout (two slices per rank) that balances causal attention's work."""
-    for world_size, seq_len in LAYOUT_CASES:
+    size = random.randint(2, 5)  # tokens per slice, fresh each time: no layout can be hard-coded
+    cases = [(n, 2 * n * size) for n in (2, 3, 4)] + UNEVEN_CASES
+    for world_size, seq_len in cases:
+        even = seq_len % (2 * world_size) == 0
         case = f"{seq_len} tokens on {world_size} ranks"
         try:
             layout = fn(seq_len, world_size)
         except Exception as e:  # noqa: BLE001 - reported as the feedback
-            return wrong(f"with {case} your function raised {type(e).__name__}: {e}")
+            advice = "" if even else " (2N does not divide the length: slices then differ by one token)"
+            return wrong(f"with {case} your function raised {type(e).__name__}: {e}{advice}")
         try:
             layout = [torch.as_tensor(p, dtype=torch.long).flatten() for p in layout]
         except (TypeError, ValueError):
@@ -301,12 +342,19 @@ def zigzag_layout(fn):
             return wrong(f"with {case} the layout has {len(layout)} entries: one per rank (the check also runs "
                          "3 and 4 ranks).")
         if sorted(torch.cat(layout).tolist()) != list(range(seq_len)):
-            return wrong(f"with {case} the ranks do not hold every token exactly once.")
+            return wrong(f"with {case} the ranks do not hold every token exactly once"
+                         + ("." if even else ": when 2N does not divide the length, cut with torch.tensor_split, "
+                            "whose slices differ by one token, so that none is dropped."))
         if any(_runs(p.tolist()) > 2 for p in layout):
             return wrong(f"with {case} a rank holds more than two slices of consecutive tokens: the zig-zag layout "
                          "gives each rank two slices (two runs of neighbouring tokens).")
+        low, high = 2 * (seq_len // (2 * world_size)), 2 * -(-seq_len // (2 * world_size))
+        if any(not low <= len(p) <= high for p in layout):
+            return wrong(f"with {case} the ranks hold {[len(p) for p in layout]} tokens: each should hold two of "
+                         f"2N slices that differ by at most one token, {low} to {high} tokens.")
         flops = launch(_flops, world_size, layout, show=None, timeout=60)
-        if len(set(flops)) > 1:
+        if (len(set(flops)) > 1) if even else max(flops) > UNEVEN_TOLERANCE * min(flops):
             return wrong(f"with {case} the ranks' work is not balanced: measured flops per rank {flops}. "
                          "Pair the slices so that each rank's two costs add up to the same total.")
-    return correct("2, 3 and 4 ranks: every token once, two slices per rank, and the same measured flops on every rank.")
+    return correct("2, 3 and 4 ranks, random lengths: every token once, two slices per rank, and the same measured "
+                   "flops on every rank; for lengths 2N does not divide, within 25%.")

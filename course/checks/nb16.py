@@ -2,6 +2,9 @@
 
 import numbers
 
+import math
+
+from course import parallel3d
 from course.exercises import correct, exercise, wrong
 from course.parallel3d import mesh_groups as reference_groups
 from course.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
@@ -24,6 +27,8 @@ def _canonical(answer):
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
+    if getattr(fn, "__code__", None) is parallel3d.mesh_groups.__code__:
+        return wrong("that is the course's own mesh_groups (course.parallel3d): write yours.")
     for shape in SHAPES:
         try:
             answer = fn(*shape)
@@ -61,13 +66,14 @@ WITHIN = 1.05  # the answer's step time may be 5% above the best configuration's
 
 @exercise(
     "Exercise 3 (a configuration for Llama-3 70B on 64 GPUs)",
-    hint="start from what must fit: 16 bytes per parameter is 1.1 TB, so the state must be split 14+ ways "
-    "(tp x pp, and ZeRO over dp). Keep TP inside a node (<= 8), use the fewest pipeline stages that fit "
-    "(the bubble grows with pp), and look at memory(...) and step_time(...) of your candidates.",
+    hint="start from what must fit: 16 bytes per parameter is 1.1 TB, so the state must be split at least 16 "
+    "ways (tp x pp, and ZeRO over dp); then the activations of 80 layers of 8192 tokens, which only TP (with "
+    "sequence parallelism), PP or recomputation shrink. Keep TP inside a node (<= 8), and look at "
+    "memory(...) and step_time(...) of your candidates.",
 )
 def configuration(config):
     """Exercise 3: a Config for Llama-3 70B on 64 H100s (8 per node), 512 sequences of 8192 tokens per step."""
-    if not isinstance(config, Config):
+    if not isinstance(config, Config):  # Config itself refuses sizes < 1 and ZeRO stages other than 0-3
         return wrong("answer with a Config(dp=..., tp=..., pp=..., zero=..., micro_batch=..., recompute=...).")
     if config.gpus != CLUSTER2.gpus:
         return wrong(f"dp x tp x pp x cp = {config.gpus}: it must use all {CLUSTER2.gpus} GPUs.")
@@ -80,7 +86,8 @@ def configuration(config):
     used = memory(MODEL2, config, SEQ2, BATCH2)
     if not fits(MODEL2, CLUSTER2, config, SEQ2, BATCH2):
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in used.items())
-        return wrong(f"it needs {sum(used.values()) / 1e9:.0f} GB per GPU ({parts} GB): more than 80 GB.")
+        return wrong(f"it needs {sum(used.values()) / 1e9:.0f} GB per GPU ({parts} GB): more than the "
+                     f"{CLUSTER2.usable * CLUSTER2.memory / 1e9:.0f} GB of 80 the model lets a configuration fill.")
     best = candidates(MODEL2, CLUSTER2, BATCH2, SEQ2)[0]
     time, best_time = (step_time(MODEL2, CLUSTER2, c, SEQ2, BATCH2) for c in (config, best))
     if time["total"] > WITHIN * best_time["total"]:
@@ -108,7 +115,7 @@ def _is_number(answer):
 )
 def state_gb(answer):
     """Exercise 2: GB per GPU of parameters + gradients + optimizer state, Llama-3 8B, Config(dp=8, zero=1)."""
-    if not _is_number(answer):
+    if not _is_number(answer) or not math.isfinite(answer):
         return wrong("answer with a number of gigabytes (1 GB = 1e9 bytes).")
     p = LLAMA3_8B.params()
     parts = memory(LLAMA3_8B, CONFIG3, 8192, 512)
@@ -123,6 +130,9 @@ def state_gb(answer):
         return wrong("that is one whole copy of everything: ZeRO-1 splits the optimizer state over the 8 ranks.")
     if close((2 + 12 / 8) * p / 1e9) or close((2 + 2) * p / 1e9):
         return wrong("count both the bf16 weights and the bf16 gradients, and the sharded fp32 master weights + Adam.")
+    if close((2 + 4 + 12 / 8) * p / 1e9):
+        return wrong("that counts fp32 gradients (as frameworks that accumulate in fp32 do): here the gradients "
+                     "are bf16, 2 bytes, as the exercise says.")
     if close((2 + 2 + 8 / 8) * p / 1e9):
         return wrong("the optimizer state also holds fp32 master weights (4 bytes), beside Adam's two moments (8).")
     if abs(answer - expected * 1e9 / 2**30) <= 0.01 * answer:
