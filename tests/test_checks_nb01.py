@@ -43,9 +43,31 @@ def _torch_func_grad(model, x, y):
         return torch.func.grad(loss)(model.weight.detach())
 
 
+_TYPED_IN = nb01._autograd_weight_grad(*nb01._problem())  # autograd's answer for the check's first problem
+
+
+def _hard_coded(model, x, y):  # the answer typed in, and a guess of the right shape for any other problem
+    return _TYPED_IN.clone() if model.weight.shape == _TYPED_IN.shape else torch.zeros_like(model.weight)
+
+
+def _hard_coded_shape_too(model, x, y):
+    return _TYPED_IN.clone()
+
+
+def _engine_called_directly(model, x, y):  # neither .backward() nor torch.autograd.grad: the engine itself
+    with torch.enable_grad():
+        loss = nn.functional.mse_loss(model(x), y)
+        return torch.autograd.Variable._execution_engine.run_backward(
+            (loss,), (torch.ones_like(loss),), False, False, (model.weight,), False)[0]
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
+        (_hard_coded, "wrong on a second one"),
+        (_hard_coded_shape_too, "a second problem has other shapes"),
+        (_engine_called_directly, "it records a graph"),
+        (lambda m, x, y: 1 / 0, "raised ZeroDivisionError"),
         (_mse_grad_over_batch_only, "every element"),
         (_sign_flipped, "sign"),
         (_no_factor_2, "factor 2"),
@@ -60,6 +82,17 @@ def _torch_func_grad(model, x, y):
 def test_weight_grad_rejects_wrong_answers(answer, hint):
     feedback = nb01.weight_grad(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda m, x, y: 2 * (m(x) - y).T @ x / (len(x) * y.shape[1]),
+        lambda m, x, y: torch.einsum("nd,ni->di", 2 * (x @ m.weight.T + m.bias - y), x) / y.numel(),
+    ],
+)
+def test_weight_grad_accepts_hand_derived_answers(answer):
+    assert nb01.weight_grad(answer).status == "correct"
 
 
 # ------------------------------------------------------------------ Exercise 2: chunk_mean_grad

@@ -126,6 +126,12 @@ def _own_hook_in_pytorchs_wrapper(process_group, bucket):  # the bf16 cast and c
     return default_hooks.bf16_compress_wrapper(_own_fp32_hook)(process_group, bucket)
 
 
+def _divides_by_a_fixed_2(process_group, bucket):  # right on 2 ranks only
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(2)
+    return dist.all_reduce(compressed, group=process_group, async_op=True).get_future().then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
 def _raises(process_group, bucket):
     raise ValueError("typo")
 
@@ -135,6 +141,7 @@ def _raises(process_group, bucket):
     [
         (_no_average, "divide by the world size to average"),
         (_sums_then_divides, "*before* the all_reduce"),
+        (_divides_by_a_fixed_2, "not by a fixed number"),
         (default_hooks.bf16_compress_hook, "PyTorch's own hook"),
         (_renamed_builtin, "calls PyTorch's own hook"),
         (_wrapped_allreduce, "calls PyTorch's own hook"),

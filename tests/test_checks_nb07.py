@@ -207,10 +207,10 @@ def test_atomic_save_accepts_a_fixed_temporary_name_next_to_the_file():
 
 
 def test_atomic_save_check_restores_what_it_patched():
-    originals = (torch.save, os.fsync, os.replace, os.rename)
+    originals = (torch.save, os.fsync, os.fdatasync, os.replace, os.rename)
     nb07.atomic_save(_no_fsync)
     nb07.atomic_save(lambda obj, path: 1 / 0)
-    assert (torch.save, os.fsync, os.replace, os.rename) == originals
+    assert (torch.save, os.fsync, os.fdatasync, os.replace, os.rename) == originals
 
 
 def _fsync_before_flush(obj, path):
@@ -242,3 +242,51 @@ def test_atomic_save_check_lets_the_folder_fsync_pass_where_it_belongs():
     # fsyncs is judged here: the hint must not be about the folder's fsync.
     feedback = nb07.atomic_save(_file_and_folder)
     assert "fsync the folder" not in feedback.message and "fsync ran" not in feedback.message, feedback
+
+
+def _atomic_save_syncing_with(sync):
+    def save(obj, path):
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                sync(f, path)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    return save
+
+
+def _fsyncs_the_old_checkpoint(first_save_too):
+    # The old and new checkpoints have the same size: only the inode tells the fsynced file from the renamed one.
+    def sync(f, path):
+        if os.path.exists(path):
+            with open(path, "rb") as old:
+                os.fsync(old.fileno())
+        elif first_save_too:
+            os.fsync(f.fileno())  # the first save syncs the right file
+
+    return _atomic_save_syncing_with(sync)
+
+
+@pytest.mark.parametrize("first_save_too", [True, False])
+def test_atomic_save_rejects_an_fsync_of_the_old_checkpoint(first_save_too):
+    feedback = nb07.atomic_save(_fsyncs_the_old_checkpoint(first_save_too))
+    assert feedback.status == "wrong" and "not preceded by an fsync of the file renamed" in feedback.message, feedback
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        lambda f, path: os.fsync(f),  # os.fsync takes anything with a fileno()
+        lambda f, path: os.fdatasync(f.fileno()),  # enough for a new file's data on Linux
+        lambda f, path: os.fdatasync(f),
+    ],
+    ids=["fsync-file-object", "fdatasync", "fdatasync-file-object"],
+)
+def test_atomic_save_accepts_other_ways_to_sync_the_file(sync):
+    feedback = nb07.atomic_save(_atomic_save_syncing_with(sync))
+    assert feedback.status == "correct", feedback

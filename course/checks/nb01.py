@@ -49,25 +49,44 @@ class _AutogradSpy(TorchFunctionMode):
 @exercise("Exercise 1 (weight_grad)", hint="write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
 def weight_grad(fn):
     """Exercise 1: the weight gradient of the MSE loss, by hand."""
-    model, x, y = _problem()
-    expected = _autograd_weight_grad(model, x, y)
-    model.zero_grad(set_to_none=True)  # the answer must compute it, not find autograd's in .grad
-    with torch.no_grad(), _AutogradSpy() as spy:
-        got = fn(model, x, y)
-    if spy.calls:
-        return wrong(f"your function asks autograd ({spy.calls[0]}): the exercise is to derive the gradient by hand, "
-                     "with the chain rule, and compute it with matrix products.")
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return wrong(f"return a tensor shaped like model.weight {tuple(expected.shape)}: (out_features, in_features).")
-    if torch.allclose(got, expected):
-        return correct("matches autograd.")
-    if torch.allclose(got, expected * y.shape[1]):
-        return wrong("MSELoss averages over every element (batch × outputs), not only over the batch.")
-    if torch.allclose(got, -expected):
-        return wrong("check the sign: the error is prediction - label.")
-    if torch.allclose(got, expected / 2):
-        return wrong("the derivative of a square brings down a factor 2.")
-    return wrong("write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
+    for problem, (seed, n, d_in, d_out) in enumerate(((7, 6, 4, 3), (11, 5, 2, 5))):  # two problems: no fixed answer
+        model, x, y = _problem(seed, n, d_in, d_out)
+        expected = _autograd_weight_grad(model, x, y)
+        model.zero_grad(set_to_none=True)  # the answer must compute it, not find autograd's in .grad
+        graph = []  # a pack hook runs whenever autograd records a graph, whichever way its engine is then called
+
+        def note_graph(tensor):
+            graph.append(tensor.shape)
+            return tensor
+
+        try:
+            with torch.no_grad(), _AutogradSpy() as spy, torch.autograd.graph.saved_tensors_hooks(note_graph, lambda t: t):
+                got = fn(model, x, y)
+        except RuntimeError as e:
+            if "saved tensor hooks" not in str(e):  # what torch.func says under these hooks
+                return wrong(f"your function raised RuntimeError: {e}")
+            spy.calls.append("torch.func")
+        except Exception as e:
+            return wrong(f"your function raised {type(e).__name__}: {e}")
+        if spy.calls or graph:
+            return wrong(f"your function asks autograd ({spy.calls[0] if spy.calls else 'it records a graph'}): the "
+                         "exercise is to derive the gradient by hand, with the chain rule, and compute it with matrix products.")
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return wrong(f"return a tensor shaped like model.weight {tuple(expected.shape)}: (out_features, in_features)"
+                         + (", computed from model, x and y (a second problem has other shapes)." if problem else "."))
+        if torch.allclose(got, expected):
+            continue
+        if problem:
+            return wrong("right on the first problem, wrong on a second one (another seed and shape): compute the "
+                         "gradient from model, x and y, not a fixed tensor.")
+        if torch.allclose(got, expected * y.shape[1]):
+            return wrong("MSELoss averages over every element (batch × outputs), not only over the batch.")
+        if torch.allclose(got, -expected):
+            return wrong("check the sign: the error is prediction - label.")
+        if torch.allclose(got, expected / 2):
+            return wrong("the derivative of a square brings down a factor 2.")
+        return wrong("write the loss as a sum over every element (n, d) of (ŷ[n,d] − y[n,d])² / (N·D); ŷ[n,d] = Σ_i x[n,i] W[d,i] + b[d], so ∂ŷ[n,d]/∂W[d,i] = x[n,i]. Apply the chain rule and write the sum over n as a matrix product.")
+    return correct("matches autograd.")  # on two problems of different shapes
 
 
 @exercise("Exercise 2 (chunk_mean_grad)", hint="zero the gradients before each chunk (or clone them), then take the plain mean of the chunks' weight gradients.")

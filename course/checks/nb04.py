@@ -18,6 +18,8 @@ from course.exercises import correct, exercise, replaced, wrong
 from course.launcher import WorkerError, launch
 
 BUCKET_CAP_MB = 2
+HOOK_RANKS = 3  # not 2, so that a hook dividing by a hard-coded 2 gets the wrong average
+HUGE_GRADIENTS = (3e38, 2e38, 1e38)  # one per rank: their sum overflows float32 and bfloat16, their average does not
 
 
 def exercise_model():
@@ -155,8 +157,8 @@ def _run_hook(rank, world_size, hook, used_builtin):
         tracing.wait_all()
         main_calls = list(calls)
 
-        # Huge gradients: 3e38 on rank 0, 2e38 on rank 1. Their sum overflows; their average does not.
-        # This DDP runs in a group of its own (the same two ranks), passed to the hook as process_group.
+        # Huge gradients: 3e38, 2e38, 1e38 on ranks 0, 1, 2. Their sum overflows; their average does not.
+        # This DDP runs in a group of its own (the same ranks), passed to the hook as process_group.
         group = dist.new_group(list(range(world_size)))
         big = nn.Linear(1, 1, bias=False)
         with torch.no_grad():
@@ -164,7 +166,7 @@ def _run_hook(rank, world_size, hook, used_builtin):
         big_ddp = DDP(big, process_group=group)
         big_ddp.register_comm_hook(group, hook)
         calls.clear()
-        big_ddp(torch.tensor([[3e38 if rank == 0 else 2e38]])).sum().backward()
+        big_ddp(torch.tensor([[HUGE_GRADIENTS[rank]]])).sum().backward()
     dtypes = [e.dtypes[0] for e in tracing.collectives() if e.op == "all_reduce"]
     return {"expected": expected, "got": [p.grad.clone() for p in model.parameters()], "dtypes": dtypes,
             "big": big.weight.grad.item(), "builtin": sorted(set(used_builtin)),
@@ -185,7 +187,7 @@ def bf16_hook(fn):
             or (hasattr(fn, "__code__") and _where(fn.__code__) in _builtin_hook_code()):
         return wrong("that is PyTorch's own hook: write the cast, the all_reduce and the copy back yourself.")
     try:
-        result = launch(_grads_with_hook, 2, fn, backend="traced", show=None, timeout=60)[0]
+        result = launch(_grads_with_hook, HOOK_RANKS, fn, backend="traced", show=None, timeout=60)[0]
     except WorkerError as e:
         summary = e.failed.get(e.rank, str(e))
         if "Future" in summary or "future" in summary:
@@ -204,12 +206,17 @@ def bf16_hook(fn):
         return wrong("the hook waits for its all-reduce (async_op=False, or .wait()), so backward stops there: "
                      "start it with async_op=True and return its future, with .then(...) for what comes after.")
     close = lambda a, b: torch.allclose(a, b, rtol=2e-2, atol=1e-4)
-    if close(got, 2 * expected):
+    if close(got, HOOK_RANKS * expected):
         return wrong("all_reduce sums: divide by the world size to average.")
+    if any(close(got, HOOK_RANKS / n * expected) for n in range(1, 9) if n != HOOK_RANKS):
+        return wrong(f"on {HOOK_RANKS} ranks your hook does not divide by {HOOK_RANKS}: divide by the world size of the "
+                     "group (dist.get_world_size(process_group)), not by a fixed number.")
     if not close(got, expected):
         return wrong("cast bucket.buffer() to bfloat16, divide by the world size, all_reduce it with async_op=True, and in .then(...) copy the result back into the float32 buffer and return that buffer.")
-    if not math.isclose(result["big"], 2.5e38, rel_tol=1e-2):
-        return wrong(f"gradients of 3e38 and 2e38 averaged to {result['big']:.3g}, not 2.5e38: their sum overflows. "
+    average = sum(HUGE_GRADIENTS) / HOOK_RANKS
+    if not math.isclose(result["big"], average, rel_tol=1e-2):
+        return wrong(f"gradients of {', '.join(f'{g:.0e}' for g in HUGE_GRADIENTS)} averaged to {result['big']:.3g}, "
+                     f"not {average:.0e}: their sum overflows. "
                      "Divide by the world size *before* the all_reduce, as DDP does.")
     if not result["group_used"]:
         return wrong("when DDP runs in a process group of its own, the hook gets it as `process_group`: all-reduce "

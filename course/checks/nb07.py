@@ -82,7 +82,9 @@ def _load_step(path):
 def _folder_fsync_instead_of_file(events):
     """True if some rename was preceded (since the previous rename) by fsyncs of folders only."""
     since_rename = []
-    for kind, size, _ in events:
+    for kind, size, _, _ in events:
+        if kind == "save":
+            continue
         if kind == "fsync":
             since_rename.append(size)
             continue
@@ -92,6 +94,43 @@ def _folder_fsync_instead_of_file(events):
     return False
 
 
+def _descriptor(f):
+    """The file descriptor os.fsync was given: an int, or anything with a fileno() (a file object)."""
+    if isinstance(f, int):
+        return f
+    try:
+        return f.fileno()
+    except Exception:
+        return None
+
+
+def _rename_problem(events):
+    """What is wrong with the fsyncs before each rename, or None. An fsync counts for a rename only if it
+    synced the very file renamed (same inode) with all its bytes (same size): the old checkpoint at `path`
+    has the same size as the new one, so only the inode tells them apart."""
+    for i, (kind, size, inode, _) in enumerate(events):
+        if kind != "rename" or inode is None:
+            continue
+        before, after = [], []
+        for j in range(i - 1, -1, -1):  # back to the previous rename (or the start of this save)
+            if events[j][0] in ("rename", "save"):
+                break
+            before.append(events[j])
+        for event in events[i + 1:]:  # on to the next rename (or the end of this save)
+            if event[0] in ("rename", "save"):
+                break
+            after.append(event)
+        synced = [s for _, s, ino, _ in before if ino == inode]
+        if size in synced:
+            continue
+        if synced:
+            return "flush"
+        if any(ino == inode for _, _, ino, _ in after):
+            return "after"
+        return "other file"
+    return None
+
+
 @exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final "
           "name; if saving fails, delete the temporary file and re-raise.")
 def atomic_save(fn):
@@ -99,8 +138,10 @@ def atomic_save(fn):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "checkpoint.pt").resolve()
         targets = []
-        order = []  # ("fsync", bytes the OS had, args) and ("rename", bytes of the file renamed, args), as they happen
-        real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "rename": os.rename}
+        # ("fsync", bytes the OS had, (device, inode), args) and ("rename", bytes of the file renamed, its
+        # (device, inode), args), as they happen
+        order = []
+        real = {"save": torch.save, "fsync": os.fsync, "fdatasync": os.fdatasync, "replace": os.replace, "rename": os.rename}
 
         def recording_save(obj, f, *args, **kwargs):
             # Writes like any buffered writer: into the file object, without flushing it (torch.save
@@ -114,21 +155,26 @@ def atomic_save(fn):
 
         def recording(kind):
             def call(*args, **kwargs):
-                if kind == "fsync":  # how many bytes had reached the OS when fsync ran ("folder": a folder's fsync)
-                    info = os.fstat(args[0]) if args and isinstance(args[0], int) else None
+                if kind in ("fsync", "fdatasync"):  # what reached the OS when it ran ("folder": a folder's fsync)
+                    fd = _descriptor(args[0]) if args else None
+                    info = None if fd is None else os.fstat(fd)
                     size = None if info is None else "folder" if stat.S_ISDIR(info.st_mode) else info.st_size
-                    order.append(("fsync", size, args))
+                    order.append(("fsync", size, None if info is None else (info.st_dev, info.st_ino), args))
                 else:
-                    order.append(("rename", os.stat(args[0]).st_size if args and os.path.isfile(args[0]) else None, args))
+                    info = os.stat(args[0]) if args and os.path.isfile(args[0]) else None
+                    order.append(("rename", None if info is None else info.st_size,
+                                  None if info is None else (info.st_dev, info.st_ino), args))
                 return real[kind](*args, **kwargs)
 
             return call
 
         torch.save = recording_save
-        os.fsync, os.replace, os.rename = recording("fsync"), recording("replace"), recording("rename")
+        os.fsync, os.fdatasync = recording("fsync"), recording("fdatasync")  # fdatasync is enough for a new file's data
+        os.replace, os.rename = recording("replace"), recording("rename")
         try:
-            fn({"step": 1, "weight": torch.ones(3)}, str(path))
-            fn({"step": 2, "weight": torch.full((3,), 2.0)}, str(path))
+            for step in (1, 2):
+                order.append(("save", None, None, None))
+                fn({"step": step, "weight": torch.full((3,), float(step))}, str(path))
             good_saves = list(order)  # the failing save below must not blur them
             leftovers = sorted(p.name for p in path.parent.iterdir() if p != path)
             try:
@@ -143,7 +189,8 @@ def atomic_save(fn):
         except Exception as e:
             return wrong(f"saving raised {type(e).__name__}: {e}")
         finally:
-            torch.save, os.fsync, os.replace, os.rename = real["save"], real["fsync"], real["replace"], real["rename"]
+            torch.save, os.fsync, os.fdatasync = real["save"], real["fsync"], real["fdatasync"]
+            os.replace, os.rename = real["replace"], real["rename"]
         if isinstance(step, Exception):
             return wrong(f"torch.load(path, weights_only=True) failed after two saves ({type(step).__name__}); "
                                "save the object with torch.save and end with the file at `path`.")
@@ -154,7 +201,7 @@ def atomic_save(fn):
         if any(t == path for t in targets):
             return wrong("torch.save writes straight into `path`: a crash halfway leaves a half-written "
                                "checkpoint. Write to a temporary file first, then rename it onto `path`.")
-        renames = [args for kind, _, args in good_saves if kind == "rename"]
+        renames = [args for kind, _, _, args in good_saves if kind == "rename"]
         sources = [Path(args[0]).resolve() for args in renames if len(args) >= 2]
         if any(t is not None and t.parent != path.parent for t in targets) or any(
             src.parent != path.parent for src in sources
@@ -166,8 +213,8 @@ def atomic_save(fn):
         if leftovers:
             return wrong(f"files were left next to the checkpoint ({leftovers}): rename the temporary "
                                "file onto `path` with os.replace instead of copying it.")
-        fsyncs = [size for kind, size, _ in good_saves if kind == "fsync" and size != "folder"]
-        synced_only_the_folder = [size for kind, size, _ in good_saves if kind == "fsync"] and not fsyncs
+        fsyncs = [size for kind, size, _, _ in good_saves if kind == "fsync" and size != "folder"]
+        synced_only_the_folder = [size for kind, size, _, _ in good_saves if kind == "fsync"] and not fsyncs
         if synced_only_the_folder or _folder_fsync_instead_of_file(good_saves):
             return wrong("you fsync the folder, not the temporary file: the file's bytes must reach the disk before "
                          "the rename (f.flush(), then os.fsync(f.fileno())). Fsyncing the folder *after* os.replace is "
@@ -175,17 +222,14 @@ def atomic_save(fn):
         if not fsyncs:
             return wrong("call f.flush() and os.fsync(f.fileno()) on the temporary file before renaming it: "
                                "otherwise after a power cut the new name can point at a file whose data never reached the disk.")
-        synced_first, since_rename = [], []  # per rename: the fsyncs since the previous rename
-        for kind, size, _ in good_saves:
-            if kind == "fsync":
-                since_rename.append(size)
-            else:
-                synced_first.append(size in since_rename if since_rename else None)
-                since_rename = []
-        if None in synced_first:
+        problem = _rename_problem(good_saves)
+        if problem == "after":
             return wrong("os.fsync ran after the rename: the new name can then reach the disk before the data does. "
                          "fsync the temporary file, then os.replace it onto `path`.")
-        if path.stat().st_size not in fsyncs or not all(synced_first):
+        if problem == "other file":
+            return wrong("a rename was not preceded by an fsync of the file renamed: fsync the temporary file itself "
+                         "(os.fsync(f.fileno())) before os.replace, not the old checkpoint at `path` or another file.")
+        if problem == "flush":
             return wrong("os.fsync ran before all the bytes had left Python's buffer: f.flush() first (Python -> OS), "
                          "then os.fsync(f.fileno()) (OS -> disk). fsync only writes what the OS already has.")
         if failed_save is None:
