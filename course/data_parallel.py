@@ -33,7 +33,8 @@ import torch.distributed as dist
 def replicate(model):
     """Make every rank hold rank 0's model, as DDP does: its parameters (frozen ones too) and
     buffers now, and its buffers (BatchNorm's running statistics) again before each forward,
-    except after a forward run without gradients (``torch.no_grad()``: evaluation)."""
+    except after a forward run without gradients (``torch.no_grad()``). DDP also skips it after a
+    forward inside its ``no_sync()``, which these classes do not have; ``model.eval()`` plays no part."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:  # a tied parameter is listed once
             dist.broadcast(tensor, src=0)

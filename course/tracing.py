@@ -234,6 +234,13 @@ def tracer(group=None) -> TracingBackend:
     return backend
 
 
+def process_groups() -> int:
+    """How many process groups this process has created: 1 (the default group) unless some code
+    made others (``dist.new_group``, a DeviceMesh, ...). A tracer records only its own group, so
+    a collective on another group never shows in :func:`events`; this count shows that one exists."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 def events(group=None) -> list:
     """Every :class:`Collective` (and :class:`Mark`) this rank recorded, oldest first."""
     return list(tracer(group).events)

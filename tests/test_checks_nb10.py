@@ -1,5 +1,7 @@
 """Notebook 10's checks reject plausible wrong answers with a useful hint."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -213,8 +215,10 @@ class _WaitsForTheFutureInTheHook(_Blocking):
 
 
 class _NoWait:
+    start = staticmethod(replicate)  # how the ranks come to hold rank 0's model
+
     def __init__(self, model):
-        replicate(model)
+        self.start(model)
         self.pending = []
         for p in trainable(model):
             p.register_post_accumulate_grad_hook(self.grad_ready)
@@ -378,3 +382,94 @@ def _all_reduce_on_a_gloo_group(tensor):
 def test_ring_all_reduce_rejects_the_built_in_on_another_group(answer):
     feedback = nb10.ring_all_reduce(answer)
     assert feedback.status == "wrong" and "another process group (dist.new_group)" in feedback.message, feedback
+
+
+def _ring_on_a_subgroup(tensor):
+    """A correct ring, but on a group of its own: the spec asks for the default group."""
+    group = dist.new_group()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(tensor, n)
+    for step in range(2 * (n - 1)):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        request = dist.isend(chunks[send].clone(), (rank + 1) % n, group=group)
+        received = torch.empty_like(chunks[receive])
+        dist.recv(received, (rank - 1) % n, group=group)
+        request.wait()
+        chunks[receive].add_(received) if step < n - 1 else chunks[receive].copy_(received)
+
+
+_CACHED = {}
+
+
+def _ring_of_zeros_and_a_cached_group(tensor):
+    """Ring-shaped sends of zeros on the default group; the real sum by an all-reduce on a cached group."""
+    if "group" not in _CACHED:
+        _CACHED["group"] = dist.new_group()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    zeros = torch.tensor_split(torch.zeros_like(tensor), n)
+    for step in range(2 * (n - 1)):
+        request = dist.isend(zeros[(rank - step) % n].clone(), (rank + 1) % n)
+        dist.recv(torch.empty_like(zeros[(rank - step - 1) % n]), (rank - 1) % n)
+        request.wait()
+    dist.all_reduce(tensor, group=_CACHED["group"])
+
+
+@pytest.mark.parametrize("answer", [_ring_on_a_subgroup, _ring_of_zeros_and_a_cached_group])
+def test_ring_all_reduce_rejects_another_group_without_course_wire(monkeypatch, answer):
+    monkeypatch.setattr(nb10.wire, "available", lambda: False)  # as where the sockets cannot be read
+    feedback = nb10.ring_all_reduce(answer)
+    assert feedback.status == "wrong" and "created another process group" in feedback.message, feedback
+    assert nb10.ring_all_reduce(collectives.ring_all_reduce).status == "correct"
+
+
+# ------------------------------------------------------------------ Exercise 3: waits in disguise, buffers
+
+
+class _PollsInTheHook(_NoAverage):
+    def grad_ready(self, p):
+        p.grad /= dist.get_world_size()
+        work = dist.all_reduce(p.grad, async_op=True)
+        while not work.is_completed():  # a wait by another name
+            time.sleep(0.001)
+        self.pending.append(work)
+
+
+def _broadcast_parameters(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p, src=0)
+
+
+def _broadcast_parameters_and_buffers_once(model):  # not again before each forward, as DDP does
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+class _BroadcastsOnlyTheParameters(_NoAverage):
+    start = staticmethod(_broadcast_parameters)
+    grad_ready = _NoWait.grad_ready  # averages
+
+
+class _BuffersOnlyAtTheStart(_BroadcastsOnlyTheParameters):
+    start = staticmethod(_broadcast_parameters_and_buffers_once)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_PollsInTheHook, "you poll is_completed() during backward"),
+        (_BroadcastsOnlyTheParameters, "different weights or buffers"),
+        (_BuffersOnlyAtTheStart, "weights or buffers differ from DDP's"),
+    ],
+)
+def test_overlap_per_parameter_rejects_hidden_waits_and_unsynchronised_buffers(answer, hint):
+    feedback = nb10.overlap_per_parameter(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_a_slow_backward_is_no_wait_but_a_pending_future_is(monkeypatch):
+    monkeypatch.setattr(nb10, "FUTURE_WAIT_BOUND_S", 0.0005)  # every backward outlasts the bound
+    assert nb10.overlap_per_parameter(OverlapPerParameter).status == "correct"
+    feedback = nb10.overlap_per_parameter(_WaitsForTheFutureInTheHook)
+    assert feedback.status == "wrong" and "during backward (in the hook)" in feedback.message, feedback

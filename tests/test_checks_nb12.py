@@ -224,3 +224,38 @@ def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_3_and_4_ranks():
     assert nb12.ATTENTION_CASES == [(2, 8, 4), (2, 12, 6), (3, 12, 6), (4, 24, 12)]
     feedback = nb12.tensor_parallel_attention(_plan(col, col, col, row))
     assert feedback.status == "correct", feedback
+
+
+# ------------------------------------------------------------------ Exercise 1: communication on another group
+
+
+def _backward_all_reduces_on_a_new_group(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    grad_y = grad_y.clone()
+    dist.all_reduce(grad_y, group=dist.new_group())  # the tracer records the default group only
+    grad_y /= dist.get_world_size()  # right values, wasted communication
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0)
+
+
+def _backward_all_reduces_on_a_gloo_group(ctx, grad_y):
+    x_local, w_local = ctx.saved_tensors
+    grad_y = grad_y.clone()
+    dist.all_reduce(grad_y, group=dist.new_group(backend="gloo"))
+    grad_y /= dist.get_world_size()
+    return grad_y @ w_local, grad_y.T @ x_local, grad_y.sum(0)
+
+
+@pytest.mark.parametrize("backward", [_backward_all_reduces_on_a_new_group, _backward_all_reduces_on_a_gloo_group])
+def test_row_parallel_rejects_communication_on_another_group(backward):
+    feedback = nb12.row_parallel(_forward, backward)
+    assert feedback.status == "wrong" and "created another process group" in feedback.message, feedback
+
+
+def test_row_parallel_measures_backward_on_the_wire(monkeypatch):
+    """Even if the new group went unseen, course.wire sees its bytes; a right backward sends none."""
+    if not nb12.wire.available():
+        pytest.skip("course.wire cannot read the sockets here")
+    monkeypatch.setattr(nb12.tracing, "process_groups", lambda: 1)
+    feedback = nb12.row_parallel(_forward, _backward_all_reduces_on_a_new_group)
+    assert feedback.status == "wrong" and "the tracer did not see" in feedback.message, feedback
+    assert nb12.row_parallel(_forward, _backward).status == "correct"

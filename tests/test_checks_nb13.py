@@ -132,3 +132,11 @@ def test_one_f_one_b_rejects_wrong_answers(answer, hint):
 def test_bytes_per_step_rejects_wrong_answers(answer, hint):
     feedback = nb13.bytes_per_step(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+def test_bubble_fraction_rejects_a_table_of_every_fixed_point():
+    table = {(p, m): nb13._gpipe_bubble(p, m) for p, m in nb13.POINTS}  # right wherever the check always looks
+    feedback = nb13.bubble_fraction(lambda p, m: table[p, m])
+    assert feedback.status == "wrong" and "KeyError" in feedback.message, feedback
+    drawn = {point for _ in range(50) for point in nb13._points()[len(nb13.POINTS):]}
+    assert len(drawn) > 10 and not drawn & set(nb13.POINTS)  # a fresh point each call, never a fixed one

@@ -263,3 +263,19 @@ def test_monkeypatching_torch_distributed_misses_what_ddp_does_in_cpp():
 
     for calls, traced in course.launch(job, 2, backend="traced", show=None):
         assert calls == [] and traced == 2
+
+
+def _groups_before_and_after_new_groups(rank, world_size):
+    counts = [tracing.process_groups()]
+    group = dist.new_group()  # the "traced" backend again: a tracer of its own, not the default group's
+    dist.all_reduce(torch.ones(1), group=group)
+    counts.append(tracing.process_groups())
+    dist.new_group(backend="gloo")
+    counts.append(tracing.process_groups())
+    return counts, len(tracing.collectives())
+
+
+def test_process_groups_counts_the_groups_the_default_tracer_cannot_see():
+    for counts, seen in course.launch(_groups_before_and_after_new_groups, 2, backend="traced", show=None):
+        assert counts == [1, 2, 3]
+        assert seen == 0  # the all-reduce on the new group is not in the default group's trace

@@ -2,6 +2,7 @@
 
 import contextlib
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,7 @@ def _values(rank, n):
 
 def _run_ring(rank, world_size, fn):
     out = []
+    groups = tracing.process_groups()  # the default group: the tracer sees nothing on any other
     for n in RING_SIZES:
         x = _values(rank, n)
         original = x.clone()
@@ -104,7 +106,8 @@ def _run_ring(rank, world_size, fn):
         sent_to = sorted({e.root for e in tracing.collectives() if e.op == "send"})
         returned = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
         out.append({"n": n, "in": original, "after": x.clone(), "returned": returned, "ops": ops, "sent": sent,
-                    "sent_to": sent_to, "messages": ops.count("send"), "wire": on_wire.sent})
+                    "sent_to": sent_to, "messages": ops.count("send"), "wire": on_wire.sent,
+                    "new_groups": tracing.process_groups() - groups})
     return out
 
 
@@ -170,6 +173,12 @@ def ring_all_reduce(fn, timeout=None):
         for rows in zip(*results):  # the same size on every rank
             n = rows[0]["n"]
             expected = _expected(world_size, n)
+            if any(r["new_groups"] for r in rows):  # found without course.wire too
+                return wrong(
+                    f"your function created another process group (dist.new_group) (N = {world_size}): the tracer "
+                    "sees only the default group, so build the ring from dist.isend/dist.send and dist.recv on the "
+                    "default group (no group= argument)."
+                )
             others = sorted({op for row in rows for op in row["ops"]} - {"send", "recv"})
             if others:
                 return wrong(f"build it from send and recv only; your function also called {', '.join(others)}.")
@@ -180,7 +189,7 @@ def ring_all_reduce(fn, timeout=None):
                         "your ranks sent nothing on the default process group")
                 return wrong(
                     f"{seen} (N = {world_size}, {n} elements): build the ring from dist.isend/dist.send and dist.recv "
-                    "on the default group, not from a collective on another process group (dist.new_group)."
+                    "on the default group (no group= argument), with no other communication."
                 )
             where = f"(N = {world_size} ranks, a tensor of {n} elements)"
             if all(torch.equal(r["in"], r["after"]) for r in rows) and all(
@@ -225,18 +234,22 @@ def ring_all_reduce(fn, timeout=None):
 
 
 def exercise_model(seed=0):
-    """What a real model has: a frozen parameter and a weight shared by two layers."""
+    """What a real model has: a frozen parameter, a weight shared by two layers, and buffers
+    (BatchNorm's running statistics, which differ between ranks initialised with different seeds)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     model[0].bias.requires_grad_(False)  # frozen: it gets no gradient
-    model[4].weight = model[2].weight  # tied: one tensor, one gradient
+    model[5].weight = model[3].weight  # tied: one tensor, one gradient
+    with torch.no_grad():  # as if loaded from a checkpoint: rank 0's must reach every rank
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2)
     return model
 
 
-# How long a backward may wait for an all-reduce's future before the check calls it "waited in
-# backward" (a future handed out during backward is completed only once backward has returned, so an
-# answer that waits for it inside a hook would wait forever). Backward of this model takes milliseconds.
+# How long a future handed out during backward may stay pending while backward runs before the check
+# calls it "waited in backward" (it is completed only once backward has returned, so an answer that
+# waits for it inside a hook would wait forever). Backward of this model takes milliseconds.
 FUTURE_WAIT_BOUND_S = 3
 
 
@@ -245,6 +258,14 @@ class _Watched:
 
     def __init__(self, work, log):
         self.work, self.log = work, log
+        self.polls = 0
+
+    def is_completed(self):
+        # Asked once, it is a harmless question; asked again and again during backward, it is a wait.
+        self.polls += self.log["in backward"]
+        if self.polls > 1:
+            self.log["problem"] = self.log["problem"] or "polled in backward"
+        return self.work.is_completed()
 
     def wait(self, *args, **kwargs):
         self.log["waited"] += 1
@@ -254,12 +275,12 @@ class _Watched:
 
     def get_future(self):
         # A future of our own, completed when backward has returned: fut.wait() or fut.value() inside a
-        # hook would wait for it (found by the timer below); fut.then(...) and torch.futures.wait_all work.
+        # hook would wait for it (found by the watcher below); fut.then(...) and torch.futures.wait_all work.
         self.log["waited"] += 1
         if not self.log["in backward"]:  # in finish(): the real one
             return self.work.get_future()
         future = torch.futures.Future()
-        self.log["futures"].append((self.work, future))
+        self.log["futures"].append((self.work, future, time.monotonic()))
         return future
 
     def __getattr__(self, name):
@@ -268,18 +289,21 @@ class _Watched:
 
 def _complete_futures(state):
     """After backward: complete the futures handed out during it with their all-reduces' results."""
-    for work, future in state["futures"]:
+    for work, future, _ in state["futures"]:
         if not future.done():
             work.wait()
             future.set_result(work.get_future().value())
     state["futures"].clear()
 
 
-def _fail_waiting_futures(state):
-    if state["in backward"]:
-        state["problem"] = state["problem"] or "waited in backward"
-        for _, future in state["futures"]:
-            if not future.done():
+def _fail_waiting_futures(state, backward_done):
+    """While backward runs: a future handed out during it and still pending after the bound is one a
+    hook waits for (only backward's return completes it), so fail it. A slow backward is no fault."""
+    while not backward_done.wait(min(FUTURE_WAIT_BOUND_S, 0.05)):
+        now = time.monotonic()
+        for _, future, since in list(state["futures"]):
+            if now - since > FUTURE_WAIT_BOUND_S and not future.done():
+                state["problem"] = state["problem"] or "waited in backward"
                 future.set_exception(RuntimeError("waited for an all-reduce during backward"))
 
 
@@ -295,8 +319,9 @@ def _run_overlap(rank, world_size, cls, steps=3):
         for x, y in batches:
             loss = nn.functional.mse_loss(forward(x), y)
             state["in backward"], state["ready"], state["launched in backward"] = True, 0, 0
-            timer = threading.Timer(FUTURE_WAIT_BOUND_S, _fail_waiting_futures, (state,))
-            timer.start()
+            backward_done = threading.Event()
+            watcher = threading.Thread(target=_fail_waiting_futures, args=(state, backward_done))
+            watcher.start()
             try:
                 loss.backward()
             except RuntimeError:
@@ -304,18 +329,19 @@ def _run_overlap(rank, world_size, cls, steps=3):
                     raise
                 return None, None
             finally:
-                timer.cancel()
+                backward_done.set()
+                watcher.join()
                 state["in backward"] = False
             _complete_futures(state)
             finish()
             grads = grads or [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
             opt.step()
             opt.zero_grad()
-        return grads, [p.detach().clone() for p in model.parameters()]
+        return grads, [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
 
     reference = exercise_model(seed=rank)  # ranks initialised differently: DDP broadcasts rank 0's
     ddp = DDP(reference)
-    start = [p.detach().clone() for p in reference.parameters()]
+    start = [t.detach().clone() for t in [*reference.parameters(), *reference.buffers()]]
     expected_grads, expected = train(reference, ddp, lambda: None)
 
     real_all_reduce = dist.all_reduce
@@ -342,7 +368,7 @@ def _run_overlap(rank, world_size, cls, steps=3):
             if "does not require grad" in str(e) or "doesn't require gradient" in str(e):
                 return {"problem": "frozen"}
             raise
-        same_start = all(torch.equal(p, q) for p, q in zip(model.parameters(), start))
+        same_start = all(torch.equal(p, q) for p, q in zip([*model.parameters(), *model.buffers()], start))
         grads, weights = train(model, model, dp.finish)
     return {"grads": grads, "expected_grads": expected_grads, "weights": weights, "expected": expected,
             "problem": state["problem"], "launched": state["launched"], "waited": state["waited"],
@@ -381,6 +407,9 @@ def overlap_per_parameter(cls):
                      "(p.register_post_accumulate_grad_hook), while backward is still running.")
     if result["problem"] == "synchronous":
         return wrong("pass async_op=True: a blocking all_reduce inside the hook stops backward until it is done, so nothing overlaps.")
+    if result["problem"] == "polled in backward":
+        return wrong("you poll is_completed() during backward until the all-reduce is done: backward stops there "
+                     "just as in wait(), so nothing overlaps. Keep the handles and wait for them in finish().")
     if result["problem"] == "waited in backward":
         return wrong("you wait() for an all-reduce during backward (in the hook): backward stops there until it is "
                      "done, so nothing overlaps. Keep the handles and wait for them in finish().")
@@ -394,8 +423,9 @@ def overlap_per_parameter(cls):
                      "gradient?). Start each one from its own parameter's hook, so that it travels while autograd "
                      "computes the earlier layers.")
     if not result["same_start"]:
-        return wrong("the ranks start from different weights (the check initialises each rank differently): "
-                     "begin __init__ with replicate(model), which broadcasts rank 0's parameters and buffers, as DDP does.")
+        return wrong("the ranks start from different weights or buffers (the check initialises each rank differently): "
+                     "begin __init__ with replicate(model), which broadcasts rank 0's parameters and buffers (BatchNorm's "
+                     "running statistics too), as DDP does.")
     if result["waited"] < result["launched"]:
         return wrong("finish() must wait() for every all-reduce before the optimizer uses the gradients; "
                      "a gradient still being all-reduced may be half-summed.")
@@ -407,8 +437,10 @@ def overlap_per_parameter(cls):
     expected = torch.cat([b.flatten() for a, b in pairs if b is not None])
     if torch.allclose(got, 2 * expected, atol=1e-6):
         return wrong("all_reduce sums: divide each gradient by the world size to average it.")
-    if not (torch.allclose(got, expected, atol=1e-6) and all(
-            torch.allclose(a, b, atol=1e-6) for a, b in zip(result["weights"], result["expected"]))):
-        return wrong("the gradients differ from DDP's: all-reduce p.grad itself (in place) and average it.")
+    if not (torch.allclose(got, expected, atol=1e-6) and all(  # every rank: rank 0's buffers are its own
+            torch.allclose(a, b, atol=1e-6) for r in results for a, b in zip(r["weights"], r["expected"]))):
+        return wrong("the gradients, weights or buffers differ from DDP's: all-reduce p.grad itself (in place) and "
+                     "average it, and let replicate(model) broadcast rank 0's buffers before each forward, as DDP does.")
     return correct("one async all-reduce per gradient, each started as its gradient became ready; from ranks "
-                   "initialised differently, with a frozen and a tied parameter, after 3 steps the same weights as DDP.")
+                   "initialised differently, with a frozen and a tied parameter and BatchNorm's buffers, after 3 steps the same "
+                   "weights and buffers as DDP.")

@@ -1,16 +1,20 @@
 """Checks for notebook 12 (tensor parallelism)."""
 
+import contextlib
 import copy
 
 import torch
 from torch import nn
 
 from course import tensor_parallel as tp
-from course import tracing
+from course import tracing, wire
 from course.exercises import correct, exercise, wrong
 from course.launcher import launch
 
 IN, OUT, BATCH = 8, 6, 4
+# Bytes a backward without communication may still put on the wire (measured with course.wire: 0 B on
+# 2 and 3 ranks, 5 backwards each, right after an all-reduce).
+WIRE_SLACK = 256
 
 
 def _row_parallel_run(rank, world_size, forward, backward):
@@ -31,15 +35,19 @@ def _row_parallel_run(rank, world_size, forward, backward):
     x_local = x.chunk(world_size, 1)[rank].clone().requires_grad_()
     w_local = full.weight.detach().chunk(world_size, 1)[rank].clone().requires_grad_()
     bias = full.bias.detach().clone().requires_grad_()
+    groups = tracing.process_groups()  # the default group: the tracer sees nothing on any other
     tracing.clear()
     y = RowParallelLinearFn.apply(x_local, w_local, bias)
     if not isinstance(y, torch.Tensor) or y.shape != (BATCH, OUT):
         return {"bad_output": repr(type(y)) if not isinstance(y, torch.Tensor) else str(tuple(y.shape))}
     forward_ops = [(e.op, e.bytes) for e in tracing.collectives()]
     tracing.clear()
-    (y * upstream).sum().backward()
+    with wire.measure() if wire.available() else contextlib.nullcontext() as on_wire:
+        (y * upstream).sum().backward()
     tracing.wait_all()
     backward_ops = [(e.op, e.bytes) for e in tracing.collectives()]
+    if not backward_ops and on_wire is not None and on_wire.sent > WIRE_SLACK:  # bytes the tracer did not see
+        backward_ops.append(("communication the tracer did not see", on_wire.sent))
     grads = [x_local.grad, w_local.grad, bias.grad]
     refs = [x_full.grad.chunk(world_size, 1)[rank], full.weight.grad.chunk(world_size, 1)[rank], full.bias.grad]
     return {
@@ -51,6 +59,7 @@ def _row_parallel_run(rank, world_size, forward, backward):
         "refs": refs,
         "forward_ops": forward_ops,
         "backward_ops": backward_ops,
+        "new_groups": tracing.process_groups() - groups,
     }
 
 
@@ -107,6 +116,9 @@ def _judge_row_parallel(results, world_size):
                 return wrong(f"the gradient of {name} is wrong; with y = x_local @ w_local.T + b: "
                              "∂L/∂x_local = g @ w_local, ∂L/∂w_local = g.T @ x_local, ∂L/∂b = g summed over the batch.")
     output_bytes = BATCH * OUT * 8  # float64
+    if any(q["new_groups"] for q in results):
+        return wrong("the values are right, but your Function created another process group (dist.new_group): "
+                     "use the default group. Forward needs one all_reduce of the output; backward needs none.")
     for q in results:
         forward_ops, backward_ops = q["forward_ops"], q["backward_ops"]
         if backward_ops:

@@ -1,6 +1,7 @@
 """Checks for notebook 13 (pipeline parallelism)."""
 
 import numbers
+import random
 
 import torch
 from torch import nn
@@ -49,6 +50,13 @@ P1, M1 = 4, 5
 POINTS = [(P1, M1), (1, 3), (2, 1), (2, 7), (3, 4), (8, 3), (5, 16)]
 
 
+def _points():
+    """POINTS and one (p, m) drawn afresh at each call, so that a table of the answers at POINTS fails."""
+    while (point := (random.randint(2, 12), random.randint(1, 24))) in POINTS:
+        pass
+    return [*POINTS, point]
+
+
 def _is_number(answer):
     return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
 
@@ -86,7 +94,8 @@ def bubble_fraction(fn):
     if not callable(fn):
         return wrong("write a function of p (stages) and m (micro-batches) that returns the idle fraction, "
                      "e.g. def gpipe_bubble(p, m): return ...")
-    for p, m in POINTS:
+    points = _points()
+    for p, m in points:
         try:
             value = fn(p, m)
         except Exception as e:  # ZeroDivisionError for p = 1 or m = 1, a KeyError from a table...
@@ -106,7 +115,7 @@ def bubble_fraction(fn):
                                                  "stage) and how many backwards the backward phase."))
     cases = ", ".join(f"({p}, {m})" for p, m in POINTS)
     return correct(
-        f"GPipe's order replayed in logical time for (p, m) = {cases}: your function gives its idle fraction "
+        f"GPipe's order replayed in logical time for (p, m) = {cases} and one drawn at random: your function gives its idle fraction "
         f"every time, {_gpipe_bubble(P1, M1):.3f} of the step for p = {P1}, m = {M1}: (p - 1) / (m + p - 1)."
     )
 
