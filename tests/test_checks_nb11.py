@@ -120,6 +120,27 @@ def _two_rank_partner(model, shard, optimizer):
     _gather(model, shard, grads)
 
 
+def _all_reduces_on_a_subgroup(model, shard, optimizer):
+    """The built-in all-reduce, hidden from the traced default group on a group of all ranks."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
+    shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _scatters_for_show_and_all_reduces_on_a_subgroup(model, shard, optimizer):
+    """A reduce-scatter the traced group sees, and the all-reduce it does not see doing the work."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.reduce_scatter_tensor(torch.empty_like(shard), grads)
+    dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
+    shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
 def _zero_grad_after_the_step(model, shard, optimizer):
     zero1_step(model, shard, optimizer)
     optimizer.zero_grad()  # shard.grad = None: harmless once the step is done
@@ -141,7 +162,9 @@ def _crashes(model, shard, optimizer):
         (_wrong_slice, "not this rank's slice"),
         (_crashes, "KeyError"),
         (_sums_gathered_gradients, "all-gathered more than one slice per rank"),
-        (_two_rank_partner, "a rank failed"),
+        (_two_rank_partner, "never reduce-scattered the whole gradient"),  # right sums on 2 ranks, fails on 3
+        (_all_reduces_on_a_subgroup, "never reduce-scattered the whole gradient on the default process group"),
+        (_scatters_for_show_and_all_reduces_on_a_subgroup, "more on the wire than a reduce-scatter and an all-gather"),
     ],
 )
 def test_zero1_step_rejects_wrong_answers(answer, hint):

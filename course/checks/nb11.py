@@ -1,18 +1,67 @@
 """Checks for notebook 11 (ZeRO and FSDP: memory per rank)."""
 
+import contextlib
 import functools
 import math
+import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import tracing
+from course import tracing, wire
 from course.exercises import correct, exercise, wrong
 from course.launcher import launch
 from course.memory import bytes_per_rank as measure_bytes
 from course.memory import storage_bytes
 from course.zero import zero1_setup, zero1_step as reference_zero1_step
+
+# ------------------------------------------------------------------ bytes on the wire, calls watched
+
+# What an answer may put on the wire beyond the course's own version of the same step, per rank:
+# gloo's few bytes per message and a delayed acknowledgement. A collective through another process
+# group (dist.new_group), which the traced default group does not see, moves at least a whole
+# gradient: far more on these models' steps (measured: ~1-4 KB per step).
+WIRE_SLACK = 1024
+
+
+class _NotMeasured:
+    sent = None  # where course.wire cannot read the sockets (not Linux)
+
+
+def _on_wire():
+    """course.wire.measure() where it works; elsewhere a block whose ``sent`` is None."""
+    dist.barrier()  # the other ranks' earlier messages are not counted in the block
+    return wire.measure() if wire.available() else contextlib.nullcontext(_NotMeasured())
+
+
+def _more_on_wire(answer, reference):
+    """Bytes the answer's ranks sent beyond the reference's (lists per rank), or 0 if unmeasured."""
+    if any(a is None for a in answer + reference):
+        return 0
+    return max(max(a - r - WIRE_SLACK for a, r in zip(answer, reference)), 0)
+
+
+@contextlib.contextmanager
+def calls_into(codes=(), files=()):
+    """Within the block, record (in the yielded set) which of the given code objects, or any function
+    defined in a file whose path ends with one of ``files``, Python called: how a check sees that an
+    answer called the course's own function or PyTorch's built-in, however it was imported or wrapped."""
+    seen, previous = set(), sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if code in codes or code.co_filename.endswith(files):
+                seen.add(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -42,14 +91,26 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         flat_grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         tracing.clear()
         at_step.clear()
-        step_fn(model, shard, optimizer)
+        with _on_wire() as on_wire:
+            step_fn(model, shard, optimizer)
         shard_grads.append(at_step[-1] if at_step else "no step")
     ops = sorted({e.op for e in tracing.collectives()})
+    scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
     shard_bytes = shard.numel() * shard.element_size()
     gathered = max((e.bytes for e in tracing.collectives() if e.op.startswith("all_gather")), default=0)
+    # the course's own step on the same gradients, for the bytes a right answer puts on the wire
+    reference = _model()
+    reference_shard, reference_optimizer = zero1_setup(reference, torch.optim.Adam, lr=0.1)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        p.grad = torch.ones_like(q)
+    with _on_wire() as reference_wire:
+        reference_zero1_step(reference, reference_shard, reference_optimizer)
     flat = torch.nn.utils.parameters_to_vector
     return {
         "gathers_more_than_a_shard": gathered > shard_bytes,
+        "scatters_the_gradient": scattered >= shard_bytes * world_size,
+        "wire": on_wire.sent,
+        "reference_wire": reference_wire.sent,
         "weights": flat(model.parameters()).detach(),
         "ddp": flat(ddp_model.parameters()).detach(),
         "flat_grads": flat_grads,
@@ -102,6 +163,15 @@ def _judge_zero1(fn, world_size):
         return wrong("you all-gathered more than one slice per rank (whole gradients, summed on every rank?): each "
                      "rank then receives N whole vectors. reduce_scatter_tensor gives each rank its slice of the sum, "
                      "and the all-gather afterwards moves only the updated slices.")
+    if not all(r["scatters_the_gradient"] for r in results):
+        return wrong("your ranks never reduce-scattered the whole gradient on the default process group (the traced "
+                     "group saw no reduce_scatter_tensor of it): call dist.reduce_scatter_tensor, on the default group "
+                     "(a group of dist.new_group hides its collectives from the default group, not from this check).")
+    extra = _more_on_wire([r["wire"] for r in results], [r["reference_wire"] for r in results])
+    if extra:
+        return wrong(f"your step put {extra:,} bytes more on the wire than a reduce-scatter and an all-gather (measured "
+                     "on the sockets with course.wire): a collective on another process group (dist.new_group), which "
+                     "the default group does not see? One reduce_scatter_tensor and one all_gather_into_tensor do it.")
     if not all(torch.equal(r["weights"], first["weights"]) for r in results):
         return wrong("the ranks end with different weights: each rank updated only its own slice. all_gather the "
                      "updated shards and copy the result into every parameter.")
