@@ -185,13 +185,62 @@ def _never_frees(model, units):  # ZeRO-2: parameters whole all the time
     return shards
 
 
-def _hooks(model, units, before_backward=True, free_after_gradient=True):
+def _reduce_by(collective, free):
+    """reduce_scatter_gradients(shards, free) with another way of reducing: collective(whole gradient,
+    world size) returns the summed padded gradient, of which each rank keeps its slice."""
+
+    def attach(shards):
+        world_size = dist.get_world_size()
+
+        def hook(p):
+            grad = torch.nn.functional.pad(p.grad.reshape(-1), (0, -p.numel() % world_size))
+            shards[p].grad = collective(grad, world_size).chunk(world_size)[dist.get_rank()] / world_size
+            p.grad = None
+            if free:
+                free_parameter(p)
+
+        for p in shards:
+            p.register_post_accumulate_grad_hook(hook)
+
+    return attach
+
+
+def _all_reduce_on(group):
+    def collective(grad, world_size):
+        dist.all_reduce(grad, group=group() if group else None)
+        return grad
+
+    return collective
+
+
+def _scatter_for_show_then_all_reduce_on(group):
+    """A reduce-scatter the traced default group sees, and an all-reduce on a group it does not see."""
+
+    def collective(grad, world_size):
+        dist.reduce_scatter_tensor(torch.empty(grad.numel() // world_size), grad.clone())
+        dist.all_reduce(grad, group=group())
+        return grad
+
+    return collective
+
+
+def _gather_and_sum(grad, world_size):
+    everyone = torch.empty(world_size * grad.numel())
+    dist.all_gather_into_tensor(everyone, grad)
+    return everyone.view(world_size, -1).sum(0)
+
+
+def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_all_for_backward=False, reduce=None):
     shards = shard_parameters(model)
     for p in shards:
         free_parameter(p)
-    reduce_scatter_gradients(shards, free=free_after_gradient)
-    for unit in list(units) + [model]:
-        own = [p for p in unit.parameters() if p in shards]
+    if reduce is None:
+        reduce_scatter_gradients(shards, free=free_after_gradient)
+    else:
+        reduce(shards)
+    in_units = {p for unit in units for p in unit.parameters()}
+    for unit, params in [(u, list(u.parameters())) for u in units] + [(model, [p for p in model.parameters() if p not in in_units])]:
+        own = [p for p in params if p in shards]
 
         def gather(*_, own=own):
             for p in own:
@@ -206,7 +255,52 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True):
 
         unit.register_forward_pre_hook(gather)
         unit.register_forward_hook(after_forward)
+    if gather_all_for_backward:  # the root's output hook runs first in backward: every unit whole at once
+
+        def gather_all(grad):
+            for p, shard in shards.items():
+                if p.untyped_storage().nbytes() == 0:
+                    gather_parameter(p, shard)
+
+        model.register_forward_hook(lambda m, a, output: output.register_hook(gather_all) and None)
     return shards
+
+
+def _gathers_every_unit_for_backward(model, units):
+    return _hooks(model, units, gather_all_for_backward=True)
+
+
+def _all_reduces_on_a_subgroup_unit(model, units):
+    groups = {}
+    group = lambda: groups.setdefault("all", dist.new_group(list(range(dist.get_world_size()))))  # noqa: E731
+    group()  # created by every rank, in the same order
+    return _hooks(model, units, reduce=_reduce_by(_all_reduce_on(group), free=True))
+
+
+def _scatters_for_show_unit(model, units):
+    groups = {}
+    group = lambda: groups.setdefault("all", dist.new_group(list(range(dist.get_world_size()))))  # noqa: E731
+    group()
+    return _hooks(model, units, reduce=_reduce_by(_scatter_for_show_then_all_reduce_on(group), free=True))
+
+
+def _sums_gathered_gradients_unit(model, units):
+    return _hooks(model, units, reduce=_reduce_by(_gather_and_sum, free=True))
+
+
+def _calls_the_course_version(model, units):
+    return fully_shard_by_hand(model, units)
+
+
+def _fsdp2(model, units):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {p: p for p in model.parameters() if p.requires_grad}
 
 
 def _no_gather_before_backward(model, units):
@@ -222,22 +316,17 @@ def _gathers_everything_at_the_root(model, units):
 
 
 def _returns_nothing(model, units):
-    fully_shard_by_hand(model, units)
+    _hooks(model, units)
 
 
 def _all_reduces(model, units):
-    shards = fully_shard_by_hand(model, units)
-    world_size = dist.get_world_size()
-    for p in shards:  # a second hook, after the reduce-scatter: an all-reduce of the whole gradient
-        p.register_post_accumulate_grad_hook(lambda p: None)
-    for shard in shards.values():
-        shard.register_hook(lambda g: g)
-    model.register_forward_pre_hook(lambda m, a: dist.all_reduce(torch.zeros(world_size)))
-    return shards
+    """Each gradient all-reduced whole (on the default group), then sliced: DDP's collective."""
+    return _hooks(model, units, reduce=_reduce_by(_all_reduce_on(None), free=True))
 
 
-def test_fully_shard_by_hand_accepts_the_solution():
-    assert nb11.fully_shard_by_hand(fully_shard_by_hand).status == "correct"
+def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
+    feedback = nb11.fully_shard_by_hand(_hooks)
+    assert feedback.status == "correct", feedback
 
 
 @pytest.mark.parametrize(
@@ -249,6 +338,13 @@ def test_fully_shard_by_hand_accepts_the_solution():
         (_gathers_everything_at_the_root, "parameters of other units were whole too"),
         (_returns_nothing, "return the {parameter: shard} dict"),
         (_all_reduces, "you used all_reduce"),
+        (_gathers_every_unit_for_backward, "when backward reached a unit, parameters of other units were whole too"),
+        (_all_reduces_on_a_subgroup_unit, "saw no reduce-scatter of every trainable gradient"),
+        (_sums_gathered_gradients_unit, "saw no reduce-scatter of every trainable gradient"),
+        (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
+        (fully_shard_by_hand, "the course's own course.fsdp.fully_shard_by_hand"),
+        (_calls_the_course_version, "the course's own course.fsdp.fully_shard_by_hand"),
+        (_fsdp2, "that is PyTorch's FSDP2"),
     ],
 )
 def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):

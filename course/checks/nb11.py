@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import tracing, wire
@@ -20,9 +21,11 @@ from course.zero import zero1_setup, zero1_step as reference_zero1_step
 # ------------------------------------------------------------------ bytes on the wire, calls watched
 
 # What an answer may put on the wire beyond the course's own version of the same step, per rank:
-# gloo's few bytes per message and a delayed acknowledgement. A collective through another process
-# group (dist.new_group), which the traced default group does not see, moves at least a whole
-# gradient: far more on these models' steps (measured: ~1-4 KB per step).
+# gloo's few bytes per message and a delayed acknowledgement. Measured (torch 2.15, gloo, Linux) on
+# Exercise 2's models over 2 steps: a right answer sends exactly the course's bytes (12,800 and 17,856
+# per rank on 2 ranks); one that adds an all-reduce of each gradient on a dist.new_group group sends
+# ~6,000-16,000 more. (An all-reduce on a subgroup *instead of* the reduce-scatter sends about the
+# same bytes, as gloo builds reduce_scatter_tensor from an all-reduce: the trace catches that one.)
 WIRE_SLACK = 1024
 
 
@@ -209,52 +212,84 @@ def _needed_whole(t):
     return t
 
 
-def _fsdp_run(rank, world_size, fn, steps=2):
-    from course.fsdp import gather_parameter
+def _fsdp_train(rank, model, units, fn, steps, ddp=None):
+    """Shard ``model`` with ``fn`` and train it for ``steps`` steps, recording which of its trainable
+    parameters are whole at each moment that matters, and the bytes this rank put on the wire."""
+    from course.fsdp import fully_shard_by_hand as course_version
 
-    out = []
-    for index, ((reference, _), (model, units)) in enumerate(zip(_unit_models(), _unit_models())):
-        ddp = DDP(reference)
-        ddp_optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
-        tracing.clear()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
+    tracing.clear()
+    with calls_into(codes={course_version.__code__}) as called:
         shards = fn(model, units)
-        if not isinstance(shards, dict) or not all(isinstance(s, torch.Tensor) for s in shards.values()):
-            return [{"error": "return the {parameter: shard} dict that shard_parameters(model) gives."}]
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        in_units = {p for u in units for p in u.parameters()}
-        rest = {i for i, p in enumerate(trainable) if p not in in_units}
-        seen = {"forward": [], "between": [], "rest": [], "expected": []}
-        for u in units:  # registered after the answer's hooks, so they run after them
-            expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
+    if called and ddp is not None:  # the reference run (no DDP beside it) is the course's version
+        return {"error": "this is the course's own course.fsdp.fully_shard_by_hand (imported or called): build it "
+                "from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return {"error": "the model's parameters became DTensors: that is PyTorch's FSDP2 (fully_shard), not yours. "
+                "Build it from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
+    if not isinstance(shards, dict) or not all(isinstance(s, torch.Tensor) for s in shards.values()):
+        return {"error": "return the {parameter: shard} dict that shard_parameters(model) gives."}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    in_units = {p for u in units for p in u.parameters()}
+    rest = {i for i, p in enumerate(trainable) if p not in in_units}
+    seen = {"forward": [], "backward": [], "between": [], "rest": []}
+    for u in units:  # registered after the answer's hooks, so they run after them
+        expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
 
-            def look(module, args, expected=expected):
-                seen["forward"].append(_whole(trainable))
-                seen["expected"].append(expected)
+        def look(module, args, expected=expected):
+            seen["forward"].append((_whole(trainable), expected))
 
-            u.register_forward_pre_hook(look)
-        optimizer = torch.optim.Adam(shards.values(), lr=0.1)
-        for step in range(steps):
-            g = torch.Generator().manual_seed(10 * step + rank)
-            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
-            ddp_optimizer.zero_grad()
+        def look_in_backward(module, args, output, expected=expected):
+            # a hook on the unit's output runs as backward reaches the unit, after the answer's own
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: seen["backward"].append((_whole(trainable), expected)))
+
+        u.register_forward_pre_hook(look)
+        u.register_forward_hook(look_in_backward)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.1)
+    scattered, with_grad, sent = 0, sum(p.numel() * p.element_size() for p in trainable), 0
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        if ddp is not None:
+            ddp.optimizer.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
-            ddp_optimizer.step()
-            tracing.clear()
+            ddp.optimizer.step()
+        tracing.clear()
+        with _on_wire() as on_wire:
             optimizer.zero_grad()
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _needed_whole):
                 loss = nn.functional.mse_loss(model(x), y)
             seen["between"].append(_whole(trainable))
             loss.backward()
             optimizer.step()
-            seen["rest"].append(_whole(trainable))
-            ops = {e.op for e in tracing.collectives()}
-        for p, shard in shards.items():
+        sent = None if on_wire.sent is None else sent + on_wire.sent
+        seen["rest"].append(_whole(trainable))
+        ops = {e.op for e in tracing.collectives()}
+        scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
+    return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": sent,
+            "scatters_every_gradient": scattered >= with_grad}
+
+
+def _fsdp_run(rank, world_size, fn, steps=2):
+    from course.fsdp import fully_shard_by_hand as course_version
+    from course.fsdp import gather_parameter
+
+    out = []
+    for index, ((reference, _), (model, units), (model2, units2)) in enumerate(
+            zip(_unit_models(), _unit_models(), _unit_models())):
+        ddp = DDP(reference)
+        ddp.optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+        run = _fsdp_train(rank, model, units, fn, steps, ddp)
+        if "error" in run:
+            return [run]
+        for p, shard in run.pop("shards").items():
             gather_parameter(p, shard)
-        difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
-        out.append({**seen, "rest_units": sorted(rest), "ops": ops, "difference": difference, "model": index})
+        run["difference"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
+        run["reference_wire"] = _fsdp_train(rank, model2, units2, course_version, steps)["wire"]
+        out.append({**run, "model": index})
     return out
 
 
@@ -269,7 +304,7 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
     for world_size in world_sizes:
         results = launch(_fsdp_run, world_size, fn, show=None, timeout=120, backend="traced")
-        for r in results[0]:
+        for r in (r for rank in results for r in rank):
             if "error" in r:
                 return wrong(r["error"])
         for r in (r for rank in results for r in rank):
@@ -280,20 +315,37 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             if any(r["rest"]):
                 return wrong(f"{what}: after the step some parameters were still whole: free each one as soon as its "
                              "gradient has been reduce-scattered (reduce_scatter_gradients(shards, free=True)).")
-            for whole, expected in zip(r["forward"], r["expected"]):
+            for whole, expected in r["forward"]:
                 if set(whole) - set(expected):
                     return wrong(f"{what}: during a unit's forward, parameters of other units were whole too: gather "
                                  "a unit's parameters just before its own forward, and free them after it.")
                 if set(expected) - set(whole):
                     return wrong(f"{what}: a unit ran its forward without all of its parameters whole: gather "
                                  "them in a forward pre-hook.")
+            for whole, expected in r["backward"]:
+                if set(whole) - set(expected):
+                    return wrong(f"{what}: when backward reached a unit, parameters of other units were whole too: "
+                                 "gather a unit's parameters again just before its own backward (a hook on the "
+                                 "unit's output), not all at once, and free each one once its gradient is reduce-scattered.")
             if "all_reduce" in r["ops"]:
                 return wrong("you used all_reduce for the gradients: reduce-scatter them, each rank keeps its slice.")
+            if not r["scatters_every_gradient"]:
+                return wrong(f"{what}: the traced default group saw no reduce-scatter of every trainable gradient in a "
+                             "step: reduce-scatter each gradient (reduce_scatter_gradients) on the default group, not "
+                             "gather whole gradients, nor reduce them on a group of dist.new_group.")
+            extra = _more_on_wire([r["wire"]], [r["reference_wire"]])
+            if extra:
+                return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
+                             "version (measured on the sockets with course.wire): whole gradients gathered, or a "
+                             "collective on another process group (dist.new_group)? Each rank should send only the "
+                             "gathers of each unit's parameters and one reduce-scatter of each gradient.")
             if r["difference"] > 1e-6:
                 return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
                              "start from shard_parameters(model) and let the optimizer step on the shards.")
     return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight: each unit whole only "
-                   "around its forward and its backward, and the same weights as DDP + Adam.")
+                   "around its forward and from the start of its backward (no other unit's parameters whole then), "
+                   "every gradient reduce-scattered, no more bytes on the wire than the course's version, "
+                   "and the same weights as DDP + Adam.")
 
 
 # ------------------------------------------------------------------ Exercise 3 (the loss scaler)
