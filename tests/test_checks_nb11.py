@@ -355,10 +355,13 @@ def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
 # ------------------------------------------------------------------ Exercise 3 (scaled_step)
 
 
-def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
+def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch.isfinite):
     def step(shards, optimizer, loss, scale):
         (loss * scale).backward()
-        found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
+        if test is torch.isinf:  # misses a NaN
+            found = torch.tensor([float(any(torch.isinf(s.grad).any() for s in shards.values()))])
+        else:
+            found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
         if agree == "max":
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         elif agree == "sum":
@@ -378,6 +381,20 @@ def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
     return step
 
 
+def _sharded_grad_scaler(shards, optimizer, loss, scale):
+    """PyTorch's own scaler for sharded gradients, which all-reduces its found-inf flag itself."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", init_scale=scale)
+    scaler.scale(loss).backward()
+    stepped = scaler.step(optimizer) is not None or not any(
+        v.item() for v in scaler._found_inf_per_device(optimizer).values())
+    scaler.update()
+    if not stepped:
+        optimizer.zero_grad()
+    return scaler.get_scale(), stepped
+
+
 def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
     assert nb11.scaled_step(scaled_step).status == "correct"
     assert nb11.scaled_step(_scaler(agree="sum")).status == "correct"
@@ -387,10 +404,12 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
     "answer, hint",
     [
         (_scaler(agree=None), "the ranks disagreed"),
-        (_scaler(agree="rank 0"), "was taken though a gradient held inf"),
+        (_scaler(agree="rank 0"), "was taken though a gradient held an inf or a NaN"),
         (_scaler(unscale=False), "still scaled"),
         (_scaler(zero_on_skip=False), "zero the gradients"),
         (_scaler(halve=False), "halve it when the step is skipped"),
+        (_scaler(test=torch.isinf), "test with torch.isfinite"),
+        (_sharded_grad_scaler, "that is PyTorch's GradScaler"),
         (lambda shards, optimizer, loss, scale: scale, "return (the new scale, whether the step was taken)"),
     ],
 )

@@ -357,9 +357,10 @@ def _scaler_model():
     return model, [model[0], model[2]]
 
 
-def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
-    """Train with ``fn`` as the loss-scaled step. An overflow is injected into one rank's gradient
-    (what float16 does when the scale is too large) at elements that another rank owns."""
+def _scaler_run(rank, world_size, fn, steps=6, scale=2.0**10):
+    """Train with ``fn`` as the loss-scaled step. Overflows are injected into gradients (what float16
+    does when the scale is too large) at elements that another rank owns: an inf on one rank, a NaN
+    on one rank, and +inf and -inf at the same element on two ranks (their sum is a NaN)."""
     from course.fsdp import fully_shard_by_hand
 
     model, units = _scaler_model()
@@ -369,16 +370,18 @@ def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
         [s.grad.clone() for s in shards.values()]))
     weight = model[0].weight  # 96 values: rank r owns elements r * ceil(96 / N) ...
-    per_rank = -(-weight.numel() // world_size)
-    # step: (the rank whose gradient overflows, a flat element owned by another rank)
-    overflow = {0: (0, (world_size - 1) * per_rank), 2: (world_size - 1, 0)}
+    last = (world_size - 1) * -(-weight.numel() // world_size)  # the first element the last rank owns
+    inf, nan = float("inf"), float("nan")
+    # step: [(the rank whose gradient overflows, a flat element owned by another rank, the value)]
+    overflow = {0: [(0, last, inf)], 2: [(world_size - 1, 0, inf)], 3: [(0, last, nan)],
+                5: [(0, last, inf), (1, last, -inf)]}
     step_now = [0]
 
     def inject(grad):
-        who, element = overflow.get(step_now[0], (None, None))
-        if who == rank:
-            grad = grad.clone()
-            grad.view(-1)[element] = float("inf")
+        for who, element, value in overflow.get(step_now[0], []):
+            if who == rank:
+                grad = grad.clone()
+                grad.view(-1)[element] = value
         return grad
 
     weight.register_hook(inject)
@@ -388,7 +391,11 @@ def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
         at_step.clear()
-        answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        with calls_into(files=("grad_scaler.py",)) as built_in:
+            answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        if built_in:
+            return {"error": "that is PyTorch's GradScaler (ShardedGradScaler is one): write the scaler yourself, "
+                    "with a found-inf flag that every rank agrees on."}
         if not (isinstance(answer, tuple) and len(answer) == 2):
             return {"error": "return (the new scale, whether the step was taken)."}
         scale, stepped = answer
@@ -413,8 +420,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
     for world_size in world_sizes:
         both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
         mine, right = [m for m, _ in both], [r for _, r in both]
-        if "error" in mine[0]:
-            return wrong(mine[0]["error"])
+        for r in mine:
+            if "error" in r:
+                return wrong(r["error"])
         for step, verdicts in enumerate(zip(*(r["verdicts"] for r in mine))):
             if len({(scale, stepped) for scale, stepped, _ in verdicts}) > 1:
                 return wrong(f"on {world_size} ranks, at step {step} the ranks disagreed (skipped or not, or the scale): "
@@ -423,8 +431,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
         for step, ((scale, stepped, grads), (right_scale, right_stepped, right_grads)) in enumerate(
                 zip(mine[0]["verdicts"], right[0]["verdicts"])):
             if stepped and not right_stepped:
-                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held inf: look at every "
-                             "rank's verdict, not one rank's.")
+                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held an inf or a NaN: "
+                             "look at every rank's verdict, not one rank's, and test with torch.isfinite (a NaN is "
+                             "not an inf: +inf on one rank and -inf on another sum to NaN).")
             if stepped != right_stepped:
                 return wrong(f"step {step} was skipped though no gradient overflowed in it: did an earlier step's inf "
                              "stay in the gradients? When you skip a step, zero the gradients (optimizer.zero_grad()).")
@@ -437,8 +446,8 @@ def scaled_step(fn, world_sizes=(2, 3)):
             if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
                 return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
                              "(optimizer.zero_grad()), or they are added into the next step's.")
-    return correct("2 and 3 ranks, an overflow on one rank in another rank's slice: every rank skipped the same "
-                   "steps, with one scale.")
+    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN, each in another rank's slice: "
+                   "every rank skipped the same steps, with one scale.")
 
 
 # ------------------------------------------------------------------ Exercise 4
