@@ -21,7 +21,8 @@ only the shards::
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast
-first, so ranks that initialised differently start equal. A unit must return one tensor.
+first, so ranks that initialised differently start equal; buffers are not (DDP broadcasts
+them too, FSDP2 broadcasts nothing). A unit must return one tensor.
 """
 
 from __future__ import annotations

@@ -120,6 +120,27 @@ def _two_rank_partner(model, shard, optimizer):
     _gather(model, shard, grads)
 
 
+def _all_reduces_on_a_subgroup(model, shard, optimizer):
+    """The built-in all-reduce, hidden from the traced default group on a group of all ranks."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
+    shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
+def _scatters_for_show_and_all_reduces_on_a_subgroup(model, shard, optimizer):
+    """A reduce-scatter the traced group sees, and the all-reduce it does not see doing the work."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    dist.reduce_scatter_tensor(torch.empty_like(shard), grads)
+    dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
+    shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
+    optimizer.step()
+    _gather(model, shard, grads)
+
+
 def _zero_grad_after_the_step(model, shard, optimizer):
     zero1_step(model, shard, optimizer)
     optimizer.zero_grad()  # shard.grad = None: harmless once the step is done
@@ -141,7 +162,9 @@ def _crashes(model, shard, optimizer):
         (_wrong_slice, "not this rank's slice"),
         (_crashes, "KeyError"),
         (_sums_gathered_gradients, "all-gathered more than one slice per rank"),
-        (_two_rank_partner, "a rank failed"),
+        (_two_rank_partner, "never reduce-scattered the whole gradient"),  # right sums on 2 ranks, fails on 3
+        (_all_reduces_on_a_subgroup, "never reduce-scattered the whole gradient on the default process group"),
+        (_scatters_for_show_and_all_reduces_on_a_subgroup, "more on the wire than a reduce-scatter and an all-gather"),
     ],
 )
 def test_zero1_step_rejects_wrong_answers(answer, hint):
@@ -162,13 +185,62 @@ def _never_frees(model, units):  # ZeRO-2: parameters whole all the time
     return shards
 
 
-def _hooks(model, units, before_backward=True, free_after_gradient=True):
+def _reduce_by(collective, free):
+    """reduce_scatter_gradients(shards, free) with another way of reducing: collective(whole gradient,
+    world size) returns the summed padded gradient, of which each rank keeps its slice."""
+
+    def attach(shards):
+        world_size = dist.get_world_size()
+
+        def hook(p):
+            grad = torch.nn.functional.pad(p.grad.reshape(-1), (0, -p.numel() % world_size))
+            shards[p].grad = collective(grad, world_size).chunk(world_size)[dist.get_rank()] / world_size
+            p.grad = None
+            if free:
+                free_parameter(p)
+
+        for p in shards:
+            p.register_post_accumulate_grad_hook(hook)
+
+    return attach
+
+
+def _all_reduce_on(group):
+    def collective(grad, world_size):
+        dist.all_reduce(grad, group=group() if group else None)
+        return grad
+
+    return collective
+
+
+def _scatter_for_show_then_all_reduce_on(group):
+    """A reduce-scatter the traced default group sees, and an all-reduce on a group it does not see."""
+
+    def collective(grad, world_size):
+        dist.reduce_scatter_tensor(torch.empty(grad.numel() // world_size), grad.clone())
+        dist.all_reduce(grad, group=group())
+        return grad
+
+    return collective
+
+
+def _gather_and_sum(grad, world_size):
+    everyone = torch.empty(world_size * grad.numel())
+    dist.all_gather_into_tensor(everyone, grad)
+    return everyone.view(world_size, -1).sum(0)
+
+
+def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_all_for_backward=False, reduce=None):
     shards = shard_parameters(model)
     for p in shards:
         free_parameter(p)
-    reduce_scatter_gradients(shards, free=free_after_gradient)
-    for unit in list(units) + [model]:
-        own = [p for p in unit.parameters() if p in shards]
+    if reduce is None:
+        reduce_scatter_gradients(shards, free=free_after_gradient)
+    else:
+        reduce(shards)
+    in_units = {p for unit in units for p in unit.parameters()}
+    for unit, params in [(u, list(u.parameters())) for u in units] + [(model, [p for p in model.parameters() if p not in in_units])]:
+        own = [p for p in params if p in shards]
 
         def gather(*_, own=own):
             for p in own:
@@ -183,7 +255,52 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True):
 
         unit.register_forward_pre_hook(gather)
         unit.register_forward_hook(after_forward)
+    if gather_all_for_backward:  # the root's output hook runs first in backward: every unit whole at once
+
+        def gather_all(grad):
+            for p, shard in shards.items():
+                if p.untyped_storage().nbytes() == 0:
+                    gather_parameter(p, shard)
+
+        model.register_forward_hook(lambda m, a, output: output.register_hook(gather_all) and None)
     return shards
+
+
+def _gathers_every_unit_for_backward(model, units):
+    return _hooks(model, units, gather_all_for_backward=True)
+
+
+def _all_reduces_on_a_subgroup_unit(model, units):
+    groups = {}
+    group = lambda: groups.setdefault("all", dist.new_group(list(range(dist.get_world_size()))))  # noqa: E731
+    group()  # created by every rank, in the same order
+    return _hooks(model, units, reduce=_reduce_by(_all_reduce_on(group), free=True))
+
+
+def _scatters_for_show_unit(model, units):
+    groups = {}
+    group = lambda: groups.setdefault("all", dist.new_group(list(range(dist.get_world_size()))))  # noqa: E731
+    group()
+    return _hooks(model, units, reduce=_reduce_by(_scatter_for_show_then_all_reduce_on(group), free=True))
+
+
+def _sums_gathered_gradients_unit(model, units):
+    return _hooks(model, units, reduce=_reduce_by(_gather_and_sum, free=True))
+
+
+def _calls_the_course_version(model, units):
+    return fully_shard_by_hand(model, units)
+
+
+def _fsdp2(model, units):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {p: p for p in model.parameters() if p.requires_grad}
 
 
 def _no_gather_before_backward(model, units):
@@ -199,22 +316,17 @@ def _gathers_everything_at_the_root(model, units):
 
 
 def _returns_nothing(model, units):
-    fully_shard_by_hand(model, units)
+    _hooks(model, units)
 
 
 def _all_reduces(model, units):
-    shards = fully_shard_by_hand(model, units)
-    world_size = dist.get_world_size()
-    for p in shards:  # a second hook, after the reduce-scatter: an all-reduce of the whole gradient
-        p.register_post_accumulate_grad_hook(lambda p: None)
-    for shard in shards.values():
-        shard.register_hook(lambda g: g)
-    model.register_forward_pre_hook(lambda m, a: dist.all_reduce(torch.zeros(world_size)))
-    return shards
+    """Each gradient all-reduced whole (on the default group), then sliced: DDP's collective."""
+    return _hooks(model, units, reduce=_reduce_by(_all_reduce_on(None), free=True))
 
 
-def test_fully_shard_by_hand_accepts_the_solution():
-    assert nb11.fully_shard_by_hand(fully_shard_by_hand).status == "correct"
+def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
+    feedback = nb11.fully_shard_by_hand(_hooks)
+    assert feedback.status == "correct", feedback
 
 
 @pytest.mark.parametrize(
@@ -226,6 +338,13 @@ def test_fully_shard_by_hand_accepts_the_solution():
         (_gathers_everything_at_the_root, "parameters of other units were whole too"),
         (_returns_nothing, "return the {parameter: shard} dict"),
         (_all_reduces, "you used all_reduce"),
+        (_gathers_every_unit_for_backward, "when backward reached a unit, parameters of other units were whole too"),
+        (_all_reduces_on_a_subgroup_unit, "saw no reduce-scatter of every trainable gradient"),
+        (_sums_gathered_gradients_unit, "saw no reduce-scatter of every trainable gradient"),
+        (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
+        (fully_shard_by_hand, "the course's own course.fsdp.fully_shard_by_hand"),
+        (_calls_the_course_version, "the course's own course.fsdp.fully_shard_by_hand"),
+        (_fsdp2, "that is PyTorch's FSDP2"),
     ],
 )
 def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
@@ -236,10 +355,13 @@ def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
 # ------------------------------------------------------------------ Exercise 3 (scaled_step)
 
 
-def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
+def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch.isfinite):
     def step(shards, optimizer, loss, scale):
         (loss * scale).backward()
-        found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
+        if test is torch.isinf:  # misses a NaN
+            found = torch.tensor([float(any(torch.isinf(s.grad).any() for s in shards.values()))])
+        else:
+            found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
         if agree == "max":
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         elif agree == "sum":
@@ -259,6 +381,20 @@ def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True):
     return step
 
 
+def _sharded_grad_scaler(shards, optimizer, loss, scale):
+    """PyTorch's own scaler for sharded gradients, which all-reduces its found-inf flag itself."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", init_scale=scale)
+    scaler.scale(loss).backward()
+    stepped = scaler.step(optimizer) is not None or not any(
+        v.item() for v in scaler._found_inf_per_device(optimizer).values())
+    scaler.update()
+    if not stepped:
+        optimizer.zero_grad()
+    return scaler.get_scale(), stepped
+
+
 def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
     assert nb11.scaled_step(scaled_step).status == "correct"
     assert nb11.scaled_step(_scaler(agree="sum")).status == "correct"
@@ -268,10 +404,12 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
     "answer, hint",
     [
         (_scaler(agree=None), "the ranks disagreed"),
-        (_scaler(agree="rank 0"), "was taken though a gradient held inf"),
+        (_scaler(agree="rank 0"), "was taken though a gradient held an inf or a NaN"),
         (_scaler(unscale=False), "still scaled"),
         (_scaler(zero_on_skip=False), "zero the gradients"),
         (_scaler(halve=False), "halve it when the step is skipped"),
+        (_scaler(test=torch.isinf), "test with torch.isfinite"),
+        (_sharded_grad_scaler, "that is PyTorch's GradScaler"),
         (lambda shards, optimizer, loss, scale: scale, "return (the new scale, whether the step was taken)"),
     ],
 )

@@ -1,18 +1,70 @@
 """Checks for notebook 11 (ZeRO and FSDP: memory per rank)."""
 
+import contextlib
 import functools
 import math
+import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import tracing
+from course import tracing, wire
 from course.exercises import correct, exercise, wrong
 from course.launcher import launch
 from course.memory import bytes_per_rank as measure_bytes
 from course.memory import saved_activation_bytes, storage_bytes
 from course.zero import zero1_setup, zero1_step as reference_zero1_step
+
+# ------------------------------------------------------------------ bytes on the wire, calls watched
+
+# What an answer may put on the wire beyond the course's own version of the same step, per rank:
+# gloo's few bytes per message and a delayed acknowledgement. Measured (torch 2.15, gloo, Linux) on
+# Exercise 2's models over 2 steps: a right answer sends exactly the course's bytes (12,800 and 17,856
+# per rank on 2 ranks); one that adds an all-reduce of each gradient on a dist.new_group group sends
+# ~6,000-16,000 more. (An all-reduce on a subgroup *instead of* the reduce-scatter sends about the
+# same bytes, as gloo builds reduce_scatter_tensor from an all-reduce: the trace catches that one.)
+WIRE_SLACK = 1024
+
+
+class _NotMeasured:
+    sent = None  # where course.wire cannot read the sockets (not Linux)
+
+
+def _on_wire():
+    """course.wire.measure() where it works; elsewhere a block whose ``sent`` is None."""
+    dist.barrier()  # the other ranks' earlier messages are not counted in the block
+    return wire.measure() if wire.available() else contextlib.nullcontext(_NotMeasured())
+
+
+def _more_on_wire(answer, reference):
+    """Bytes the answer's ranks sent beyond the reference's (lists per rank), or 0 if unmeasured."""
+    if any(a is None for a in answer + reference):
+        return 0
+    return max(max(a - r - WIRE_SLACK for a, r in zip(answer, reference)), 0)
+
+
+@contextlib.contextmanager
+def calls_into(codes=(), files=()):
+    """Within the block, record (in the yielded set) which of the given code objects, or any function
+    defined in a file whose path ends with one of ``files``, Python called: how a check sees that an
+    answer called the course's own function or PyTorch's built-in, however it was imported or wrapped."""
+    seen, previous = set(), sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if code in codes or code.co_filename.endswith(files):
+                seen.add(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -42,14 +94,26 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         flat_grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         tracing.clear()
         at_step.clear()
-        step_fn(model, shard, optimizer)
+        with _on_wire() if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's bytes
+            step_fn(model, shard, optimizer)
         shard_grads.append(at_step[-1] if at_step else "no step")
     ops = sorted({e.op for e in tracing.collectives()})
+    scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
     shard_bytes = shard.numel() * shard.element_size()
     gathered = max((e.bytes for e in tracing.collectives() if e.op.startswith("all_gather")), default=0)
+    # the course's own step on the same gradients, for the bytes a right answer puts on the wire
+    reference = _model()
+    reference_shard, reference_optimizer = zero1_setup(reference, torch.optim.Adam, lr=0.1)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        p.grad = torch.ones_like(q)
+    with _on_wire() as reference_wire:
+        reference_zero1_step(reference, reference_shard, reference_optimizer)
     flat = torch.nn.utils.parameters_to_vector
     return {
         "gathers_more_than_a_shard": gathered > shard_bytes,
+        "scatters_the_gradient": scattered >= shard_bytes * world_size,
+        "wire": on_wire.sent,
+        "reference_wire": reference_wire.sent,
         "weights": flat(model.parameters()).detach(),
         "ddp": flat(ddp_model.parameters()).detach(),
         "flat_grads": flat_grads,
@@ -102,6 +166,15 @@ def _judge_zero1(fn, world_size):
         return wrong("you all-gathered more than one slice per rank (whole gradients, summed on every rank?): each "
                      "rank then receives N whole vectors. reduce_scatter_tensor gives each rank its slice of the sum, "
                      "and the all-gather afterwards moves only the updated slices.")
+    if not all(r["scatters_the_gradient"] for r in results):
+        return wrong("your ranks never reduce-scattered the whole gradient on the default process group (the traced "
+                     "group saw no reduce_scatter_tensor of it): call dist.reduce_scatter_tensor, on the default group "
+                     "(a group of dist.new_group hides its collectives from the default group, not from this check).")
+    extra = _more_on_wire([r["wire"] for r in results], [r["reference_wire"] for r in results])
+    if extra:
+        return wrong(f"your step put {extra:,} bytes more on the wire than a reduce-scatter and an all-gather (measured "
+                     "on the sockets with course.wire): a collective on another process group (dist.new_group), which "
+                     "the default group does not see? One reduce_scatter_tensor and one all_gather_into_tensor do it.")
     if not all(torch.equal(r["weights"], first["weights"]) for r in results):
         return wrong("the ranks end with different weights: each rank updated only its own slice. all_gather the "
                      "updated shards and copy the result into every parameter.")
@@ -139,39 +212,54 @@ def _needed_whole(t):
     return t
 
 
-def _fsdp_run(rank, world_size, fn, steps=2):
-    from course.fsdp import gather_parameter
+def _fsdp_train(rank, model, units, fn, steps, ddp=None):
+    """Shard ``model`` with ``fn`` and train it for ``steps`` steps, recording which of its trainable
+    parameters are whole at each moment that matters, and the bytes this rank put on the wire."""
+    from course.fsdp import fully_shard_by_hand as course_version
 
-    out = []
-    for index, ((reference, _), (model, units)) in enumerate(zip(_unit_models(), _unit_models())):
-        ddp = DDP(reference)
-        ddp_optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
-        tracing.clear()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
+    tracing.clear()
+    with calls_into(codes={course_version.__code__}) as called:
         shards = fn(model, units)
-        if not isinstance(shards, dict) or not all(isinstance(s, torch.Tensor) for s in shards.values()):
-            return [{"error": "return the {parameter: shard} dict that shard_parameters(model) gives."}]
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        in_units = {p for u in units for p in u.parameters()}
-        rest = {i for i, p in enumerate(trainable) if p not in in_units}
-        seen = {"forward": [], "between": [], "rest": [], "expected": []}
-        for u in units:  # registered after the answer's hooks, so they run after them
-            expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
+    if called and ddp is not None:  # the reference run (no DDP beside it) is the course's version
+        return {"error": "this is the course's own course.fsdp.fully_shard_by_hand (imported or called): build it "
+                "from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return {"error": "the model's parameters became DTensors: that is PyTorch's FSDP2 (fully_shard), not yours. "
+                "Build it from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
+    if not isinstance(shards, dict) or not all(isinstance(s, torch.Tensor) for s in shards.values()):
+        return {"error": "return the {parameter: shard} dict that shard_parameters(model) gives."}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    in_units = {p for u in units for p in u.parameters()}
+    rest = {i for i, p in enumerate(trainable) if p not in in_units}
+    seen = {"forward": [], "backward": [], "between": [], "rest": []}
+    for u in units:  # registered after the answer's hooks, so they run after them
+        expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
 
-            def look(module, args, expected=expected):
-                seen["forward"].append(_whole(trainable))
-                seen["expected"].append(expected)
+        def look(module, args, expected=expected):
+            seen["forward"].append((_whole(trainable), expected))
 
-            u.register_forward_pre_hook(look)
-        optimizer = torch.optim.Adam(shards.values(), lr=0.1)
-        for step in range(steps):
-            g = torch.Generator().manual_seed(10 * step + rank)
-            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
-            ddp_optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            ddp_optimizer.step()
+        def look_in_backward(module, args, output, expected=expected):
+            # a hook on the unit's output runs as backward reaches the unit, after the answer's own
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: seen["backward"].append((_whole(trainable), expected)))
+
+        u.register_forward_pre_hook(look)
+        u.register_forward_hook(look_in_backward)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.1)
+    data = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        data.append((torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)))
+        if ddp is not None:  # DDP's steps first: its all-reduces are not on the answer's wire
+            ddp.optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(data[-1][0]), data[-1][1]).backward()
+            ddp.optimizer.step()
+    with_grad = sum(p.numel() * p.element_size() for p in trainable)
+    with _on_wire() as on_wire:
+        for x, y in data:
             tracing.clear()
             optimizer.zero_grad()
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _needed_whole):
@@ -181,10 +269,29 @@ def _fsdp_run(rank, world_size, fn, steps=2):
             optimizer.step()
             seen["rest"].append(_whole(trainable))
             ops = {e.op for e in tracing.collectives()}
-        for p, shard in shards.items():
+            scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
+    return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": on_wire.sent,
+            "scatters_every_gradient": scattered >= with_grad}
+
+
+def _fsdp_run(rank, world_size, fn, steps=2):
+    from course.fsdp import fully_shard_by_hand as course_version
+    from course.fsdp import gather_parameter
+
+    out = []
+    for index, ((reference, _), (model, units), (model2, units2)) in enumerate(
+            zip(_unit_models(), _unit_models(), _unit_models())):
+        ddp = DDP(reference)
+        ddp.optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+        run = _fsdp_train(rank, model, units, fn, steps, ddp)
+        if "error" in run:
+            return [run]
+        for p, shard in run.pop("shards").items():
             gather_parameter(p, shard)
-        difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
-        out.append({**seen, "rest_units": sorted(rest), "ops": ops, "difference": difference, "model": index})
+        run["difference"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
+        if index == 0:  # the course's version on the same model and data: the bytes a right answer sends
+            run["reference_wire"] = _fsdp_train(rank, model2, units2, course_version, steps)["wire"]
+        out.append({**run, "model": index})
     return out
 
 
@@ -199,7 +306,7 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
     for world_size in world_sizes:
         results = launch(_fsdp_run, world_size, fn, show=None, timeout=120, backend="traced")
-        for r in results[0]:
+        for r in (r for rank in results for r in rank):
             if "error" in r:
                 return wrong(r["error"])
         for r in (r for rank in results for r in rank):
@@ -210,20 +317,37 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             if any(r["rest"]):
                 return wrong(f"{what}: after the step some parameters were still whole: free each one as soon as its "
                              "gradient has been reduce-scattered (reduce_scatter_gradients(shards, free=True)).")
-            for whole, expected in zip(r["forward"], r["expected"]):
+            for whole, expected in r["forward"]:
                 if set(whole) - set(expected):
                     return wrong(f"{what}: during a unit's forward, parameters of other units were whole too: gather "
                                  "a unit's parameters just before its own forward, and free them after it.")
                 if set(expected) - set(whole):
                     return wrong(f"{what}: a unit ran its forward without all of its parameters whole: gather "
                                  "them in a forward pre-hook.")
+            for whole, expected in r["backward"]:
+                if set(whole) - set(expected):
+                    return wrong(f"{what}: when backward reached a unit, parameters of other units were whole too: "
+                                 "gather a unit's parameters again just before its own backward (a hook on the "
+                                 "unit's output), not all at once, and free each one once its gradient is reduce-scattered.")
             if "all_reduce" in r["ops"]:
                 return wrong("you used all_reduce for the gradients: reduce-scatter them, each rank keeps its slice.")
+            if not r["scatters_every_gradient"]:
+                return wrong(f"{what}: the traced default group saw no reduce-scatter of every trainable gradient in a "
+                             "step: reduce-scatter each gradient (reduce_scatter_gradients) on the default group, not "
+                             "gather whole gradients, nor reduce them on a group of dist.new_group.")
+            extra = _more_on_wire([r["wire"]], [r["reference_wire"]]) if "reference_wire" in r else 0
+            if extra:
+                return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
+                             "version (measured on the sockets with course.wire): whole gradients gathered, or a "
+                             "collective on another process group (dist.new_group)? Each rank should send only the "
+                             "gathers of each unit's parameters and one reduce-scatter of each gradient.")
             if r["difference"] > 1e-6:
                 return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
                              "start from shard_parameters(model) and let the optimizer step on the shards.")
     return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight: each unit whole only "
-                   "around its forward and its backward, and the same weights as DDP + Adam.")
+                   "around its forward and from the start of its backward (no other unit's parameters whole then), "
+                   "every gradient reduce-scattered, no more bytes on the wire than the course's version, "
+                   "and the same weights as DDP + Adam.")
 
 
 # ------------------------------------------------------------------ Exercise 3 (the loss scaler)
@@ -235,9 +359,10 @@ def _scaler_model():
     return model, [model[0], model[2]]
 
 
-def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
-    """Train with ``fn`` as the loss-scaled step. An overflow is injected into one rank's gradient
-    (what float16 does when the scale is too large) at elements that another rank owns."""
+def _scaler_run(rank, world_size, fn, steps=6, scale=2.0**10):
+    """Train with ``fn`` as the loss-scaled step. Overflows are injected into gradients (what float16
+    does when the scale is too large) at elements that another rank owns: an inf on one rank, a NaN
+    on one rank, and +inf and -inf at the same element on two ranks (their sum is a NaN)."""
     from course.fsdp import fully_shard_by_hand
 
     model, units = _scaler_model()
@@ -247,16 +372,18 @@ def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
         [s.grad.clone() for s in shards.values()]))
     weight = model[0].weight  # 96 values: rank r owns elements r * ceil(96 / N) ...
-    per_rank = -(-weight.numel() // world_size)
-    # step: (the rank whose gradient overflows, a flat element owned by another rank)
-    overflow = {0: (0, (world_size - 1) * per_rank), 2: (world_size - 1, 0)}
+    last = (world_size - 1) * -(-weight.numel() // world_size)  # the first element the last rank owns
+    inf, nan = float("inf"), float("nan")
+    # step: [(the rank whose gradient overflows, a flat element owned by another rank, the value)]
+    overflow = {0: [(0, last, inf)], 2: [(world_size - 1, 0, inf)], 3: [(0, last, nan)],
+                5: [(0, last, inf), (1, last, -inf)]}
     step_now = [0]
 
     def inject(grad):
-        who, element = overflow.get(step_now[0], (None, None))
-        if who == rank:
-            grad = grad.clone()
-            grad.view(-1)[element] = float("inf")
+        for who, element, value in overflow.get(step_now[0], []):
+            if who == rank:
+                grad = grad.clone()
+                grad.view(-1)[element] = value
         return grad
 
     weight.register_hook(inject)
@@ -266,7 +393,12 @@ def _scaler_run(rank, world_size, fn, steps=4, scale=2.0**10):
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
         at_step.clear()
-        answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        # a built-in scaler is called at every step: watching the first is enough (and cheaper)
+        with calls_into(files=("grad_scaler.py",)) if step == 0 else contextlib.nullcontext(set()) as built_in:
+            answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
+        if built_in:
+            return {"error": "that is PyTorch's GradScaler (ShardedGradScaler is one): write the scaler yourself, "
+                    "with a found-inf flag that every rank agrees on."}
         if not (isinstance(answer, tuple) and len(answer) == 2):
             return {"error": "return (the new scale, whether the step was taken)."}
         scale, stepped = answer
@@ -291,8 +423,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
     for world_size in world_sizes:
         both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
         mine, right = [m for m, _ in both], [r for _, r in both]
-        if "error" in mine[0]:
-            return wrong(mine[0]["error"])
+        for r in mine:
+            if "error" in r:
+                return wrong(r["error"])
         for step, verdicts in enumerate(zip(*(r["verdicts"] for r in mine))):
             if len({(scale, stepped) for scale, stepped, _ in verdicts}) > 1:
                 return wrong(f"on {world_size} ranks, at step {step} the ranks disagreed (skipped or not, or the scale): "
@@ -301,8 +434,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
         for step, ((scale, stepped, grads), (right_scale, right_stepped, right_grads)) in enumerate(
                 zip(mine[0]["verdicts"], right[0]["verdicts"])):
             if stepped and not right_stepped:
-                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held inf: look at every "
-                             "rank's verdict, not one rank's.")
+                return wrong(f"on {world_size} ranks, step {step} was taken though a gradient held an inf or a NaN: "
+                             "look at every rank's verdict, not one rank's, and test with torch.isfinite (a NaN is "
+                             "not an inf: +inf on one rank and -inf on another sum to NaN).")
             if stepped != right_stepped:
                 return wrong(f"step {step} was skipped though no gradient overflowed in it: did an earlier step's inf "
                              "stay in the gradients? When you skip a step, zero the gradients (optimizer.zero_grad()).")
@@ -315,8 +449,8 @@ def scaled_step(fn, world_sizes=(2, 3)):
             if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
                 return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
                              "(optimizer.zero_grad()), or they are added into the next step's.")
-    return correct("2 and 3 ranks, an overflow on one rank in another rank's slice: every rank skipped the same "
-                   "steps, with one scale.")
+    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN, each in another rank's slice: "
+                   "every rank skipped the same steps, with one scale.")
 
 
 # ------------------------------------------------------------------ Exercise 4
