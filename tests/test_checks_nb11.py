@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb11
+from course.doctor import PART_II_TORCH, torch_at_least
 from course.fsdp import (
     free_parameter,
     fully_shard_by_hand,
@@ -344,7 +345,8 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
         (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
         (fully_shard_by_hand, "the course's own course.fsdp.fully_shard_by_hand"),
         (_calls_the_course_version, "the course's own course.fsdp.fully_shard_by_hand"),
-        (_fsdp2, "that is PyTorch's FSDP2"),
+        pytest.param(_fsdp2, "that is PyTorch's FSDP2", marks=pytest.mark.skipif(
+            not torch_at_least(PART_II_TORCH), reason="torch 2.8's fully_shard fails here before the check sees it")),
     ],
 )
 def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
