@@ -128,12 +128,26 @@ def markdown(text: str) -> str:
     return out.replace("\n", "  \n")
 
 
+# JupyterLab breaks the lines of every <pre> in an output anywhere, mid-word ("word-break:
+# break-all; white-space: pre-wrap"). Code blocks sit in a <div> this rule changes: code
+# scrolls sideways instead, a log's lines wrap between words. (A notebook opened untrusted
+# drops the <style>: its blocks wrap as before, nothing worse.)
+NO_MID_WORD_BREAKS = (  # !important: JupyterLab's own rules for <pre> and <code> are more specific
+    "<style>.course-code pre, .course-code pre code "
+    "{white-space: pre !important; word-break: normal !important; overflow-wrap: normal !important; overflow-x: auto}\n"
+    ".course-log pre, .course-log pre code "
+    "{white-space: pre-wrap !important; word-break: normal !important; overflow-wrap: anywhere !important}</style>"
+)
+
+
 def code_block(code: str, language: str = "python") -> str:
-    """``code`` as a fenced Markdown block (highlighted in Jupyter), after a blank line; "" for no code."""
+    """``code`` as a fenced Markdown block (highlighted in Jupyter; never broken mid-word), after
+    a blank line; "" for no code. ``language="text"`` is a log: its long lines wrap."""
     if not code.strip():
         return ""
     fence = "`" * max(3, max(map(len, re.findall("`+", code)), default=0) + 1)
-    return f"\n\n{fence}{language}\n{code.rstrip()}\n{fence}"
+    kind = "course-log" if language == "text" else "course-code"
+    return f'\n\n{NO_MID_WORD_BREAKS}\n<div class="{kind}">\n\n{fence}{language}\n{code.rstrip()}\n{fence}\n\n</div>'
 
 
 class Exercise:

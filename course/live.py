@@ -64,8 +64,8 @@ class LiveOutput:
             lines.append(f"… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}")
         text = "\n".join(lines)
         if text.strip() and text != self.shown:
+            self.shown = text  # first: an interrupt inside update() must still let close() empty it
             self.handle.update({"text/plain": text}, raw=True)
-            self.shown = text
 
     def close(self):
         """Empty the display: the launch's rank-ordered replay follows it."""

@@ -155,16 +155,23 @@ def endpoints() -> dict:
 def sent_per_peer(measurement: Measurement) -> dict:
     """{rank: bytes this rank sent to it} for a :func:`measure` block. A collective over the
     default group (every rank must call it): the ranks swap their sockets' addresses, and a
-    socket whose remote address is another rank's local one leads to that rank."""
+    socket leads to the rank that holds its other end, the socket with the same two addresses
+    swapped. (The local address alone is not enough: Linux gives two sockets the same local port
+    when they connect to different places.)"""
     import torch.distributed as dist
 
     mine = endpoints()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(mine.values()))
-    owner = {local: rank for rank, pairs in enumerate(everyone) for local, _ in pairs}
+    other_end = peers(everyone)
     per_peer = {}
     for sock, sent in measurement.per_socket.items():
-        if sock in mine and mine[sock][1] in owner and sent:
-            peer = owner[mine[sock][1]]
+        if sock in mine and sent and (peer := other_end.get((mine[sock][1], mine[sock][0]))) is not None:
             per_peer[peer] = per_peer.get(peer, 0) + sent
     return per_peer
+
+
+def peers(everyone: list) -> dict:
+    """{(local, remote): rank} for every rank's connected sockets, given as ``everyone[rank] =
+    [(local, remote), ...]``: look up (remote, local) of a socket to find who holds its other end."""
+    return {(local, remote): rank for rank, pairs in enumerate(everyone) for local, remote in pairs}

@@ -5,7 +5,7 @@ temporary folder: JupyterLab's autosave must not touch notebooks/) and checks wh
 * the notebook opens unmodified (no ● on its tab) once the kernel has started;
 * a launch cell shows a rank's line in the live display while the cell still runs;
 * an exercise check, ``hint()`` and ``solution()`` render as Markdown: code as code, emphasis as
-  emphasis, words never broken, the solution's code highlighted;
+  emphasis, words never broken (the solution's code scrolls in a narrow window), its code highlighted;
 * Kernel > Interrupt during a launch ends in one line, with each rank's output shown once.
 
 Skipped, saying why, where Playwright or Chromium is missing (``.ci/run`` installs both and sets
@@ -223,6 +223,16 @@ def _session(page, url, go):
     assert code.locator("span").count() > 10, "the solution's code is not highlighted"
     keyword = code.locator("span", has_text="def").first
     assert keyword.evaluate("e => getComputedStyle(e).color") != code.evaluate("e => getComputedStyle(e).color")
+    # Never broken mid-word: in a window too narrow for its longest line, the code scrolls sideways.
+    page.set_viewport_size({"width": 700, "height": 900})
+    pre = solution.locator(".jp-OutputArea .jp-RenderedMarkdown pre")
+    for element in (pre, code):
+        assert element.evaluate("e => [getComputedStyle(e).whiteSpace, getComputedStyle(e).wordBreak]") == ["pre", "normal"]
+    lines = code.inner_text().rstrip("\n").count("\n") + 1
+    line_height = code.evaluate("e => parseFloat(getComputedStyle(e).lineHeight)")
+    assert pre.evaluate("e => e.scrollWidth > e.clientWidth"), "the window is not narrow enough to test wrapping"
+    assert code.evaluate("e => e.getBoundingClientRect().height") < (lines + 0.5) * line_height  # one row a line
+    page.set_viewport_size({"width": 1280, "height": 900})
 
     # Kernel > Interrupt during a launch: one line, the ranks' output once.
     long = _run(page, first_test_cell + 4)

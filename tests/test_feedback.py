@@ -21,7 +21,7 @@ mistune = pytest.importorskip("mistune")  # nbconvert's Markdown parser (jupyter
 
 def _shown(markdown_text):
     """The text a reader sees once ``markdown_text`` is rendered: tags dropped, entities decoded."""
-    rendered = mistune.html(markdown_text)
+    rendered = re.sub(r"<style>.*?</style>", "", mistune.html(markdown_text), flags=re.S)  # not shown
     return " ".join(html.unescape(re.sub(r"<[^>]+>", "", rendered)).split())
 
 

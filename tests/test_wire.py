@@ -94,6 +94,17 @@ def test_bytes_are_attributed_to_the_rank_they_went_to():
     assert set(per_peer[1]) == {0} and set(per_peer[2]) == {3}
 
 
+def test_a_local_port_two_ranks_share_does_not_confuse_who_is_at_the_other_end():
+    """Linux gives two sockets the same local port when they connect to different places (seen in
+    CI: rank 4's bytes to its data-parallel peer were put down to another rank). Ranks 1 and 2 both
+    connect from port 5000, to ranks 0 and 3; each of rank 0's and 3's sockets has one owner."""
+    a, b, c, d = ("127.0.0.1", 4000), ("127.0.0.1", 5000), ("127.0.0.1", 6000), ("127.0.0.1", 7000)
+    everyone = [[(a, b)], [(b, a)], [(b, d)], [(d, b)]]  # rank r: [(local, remote), ...]
+    other_end = wire.peers(everyone)
+    assert other_end[(b, a)] == 1 and other_end[(b, d)] == 2  # rank 0's and rank 3's peers
+    assert (a, d) not in other_end
+
+
 def test_sockets_shared_with_the_parent_are_the_parents():
     """A rank forked from a Jupyter kernel inherits the kernel's sockets, on which the kernel keeps
     sending output while the rank runs: that is not the rank's traffic."""
