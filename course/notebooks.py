@@ -316,6 +316,23 @@ def solution_code(source: str) -> str:
     return "\n".join(re.sub(r"\s*#\s*SOLUTION\s*$", "", line) for line in lines).strip()
 
 
+def definitions(path: Path) -> dict:
+    """{name: source} of each function and class a solution notebook defines at the top level of a
+    cell (with its decorators, solution markers removed). Tests compare it with
+    ``inspect.getsource`` of the package's copy: the notebook shows the very code the package holds."""
+    found = {}
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code" or cell.get("id") == "colab-install":  # IPython's %pip is not Python
+            continue
+        code = solution_code(cell.source)
+        lines = code.splitlines()
+        for node in ast.parse(code).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                found[node.name] = "\n".join(lines[first - 1:node.end_lineno])
+    return found
+
+
 def answer_cells(nb, names) -> list:
     """The cells marked ``SOLUTION`` that define any of ``names``: an exercise's answer cells."""
     return [

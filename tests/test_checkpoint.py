@@ -31,6 +31,7 @@ from course.checkpoint import (
     unwrap,
 )
 from course.launcher import WorkerError, launch
+from course.notebooks import definitions
 
 
 def _model():
@@ -375,22 +376,6 @@ def test_training_state_gathers_every_ranks_rng_and_drops_the_module_prefix():
 NOTEBOOK = Path(__file__).parent.parent / "solutions" / "07_checkpointing.ipynb"
 
 
-def _defined_in_notebook(name):
-    """The source of ``def name(...)`` in notebook 07, solution markers removed."""
-    import re
-
-    import nbformat
-
-    from course.notebooks import solution_code
-
-    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
-        if cell.cell_type == "code":
-            match = re.search(rf"^def {name}\(.*?(?=^\S|\Z)", solution_code(cell.source) + "\n", re.M | re.S)
-            if match:
-                return match.group(0).rstrip()
-    raise AssertionError(f"{name} is not defined in {NOTEBOOK.name}")
-
-
 @pytest.mark.parametrize("name", ["atomic_save", "fsync_folder"])
 def test_notebook_derives_the_packages_atomic_save(name):
     """Notebook 07 derives atomic_save (Exercise 2) and fsync_folder; the course holds the same code."""
@@ -399,7 +384,7 @@ def test_notebook_derives_the_packages_atomic_save(name):
     import course.checkpoint
     from course.exercises import solutions
 
-    assert _defined_in_notebook(name) == inspect.getsource(getattr(course.checkpoint, name)).rstrip()
+    assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(course.checkpoint, name)).rstrip()
     if name == "atomic_save":  # what check.atomic_save.solution() shows is that code too
         assert inspect.getsource(course.checkpoint.atomic_save).rstrip() in solutions()["07"]["atomic_save"]
 

@@ -3,11 +3,8 @@ the gradients of q, k and v on 1-4 ranks, with and without a causal mask, for se
 that do not divide over the ranks, in both layouts; the zig-zag layout balances causal work;
 the forward sends (N-1) K/V chunks per rank; notebook 14 derives the package's code."""
 
-import ast
 import inspect
-import re
 
-import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from course import context_parallel as cp
 from course import wire
 from course.launcher import launch
-from course.notebooks import SOLUTIONS
+from course.notebooks import SOLUTIONS, definitions
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
 LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
@@ -134,27 +131,13 @@ def test_a_layout_that_does_not_fit_is_refused_with_a_clear_error():
 
 # ------------------------------------------------------------------ notebook 14 derives this code
 
-MARKER = re.compile(r"^\s*# (BEGIN|END) SOLUTION\n", re.M)
-
-
-def _notebook_definitions():
-    nb = nbformat.read(SOLUTIONS / "14_context_parallel.ipynb", as_version=4)
-    found = {}
-    for cell in nb.cells:
-        if cell.cell_type != "code" or cell.id == "colab-install":  # the Colab cell has IPython's %pip
-            continue
-        for node in ast.parse(cell.source).body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                found[node.name] = MARKER.sub("", ast.get_source_segment(cell.source, node) + "\n").rstrip()
-    return found
-
 
 @pytest.mark.parametrize(
     "name",
     ["contiguous_layout", "zigzag_layout", "visible", "attend", "merge", "start_pass", "ring_forward", "attend_backward", "RingAttention"],
 )
 def test_the_notebook_derives_the_package_code(name):
-    derived = _notebook_definitions()
+    derived = definitions(SOLUTIONS / "14_context_parallel.ipynb")
     assert name in derived, f"notebook 14 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(cp, name)).rstrip(), (
         f"notebook 14's {name} differs from course/context_parallel.py: keep them identical"

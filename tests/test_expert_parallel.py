@@ -4,11 +4,9 @@ receives no token; the capacity and the balancing loss do what their docstrings 
 with sync_gradients trains like one process, and averaging expert gradients over the EP group
 does not; notebook 15 derives the package's code."""
 
-import ast
 import copy
 import inspect
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +14,7 @@ import torch.distributed as dist
 from course import expert_parallel as ep
 from course import launch
 from course.checks import nb15
-from course.notebooks import SOLUTIONS
+from course.notebooks import SOLUTIONS, definitions
 from course.doctor import PART_II_TORCH, torch_at_least
 
 # course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
@@ -225,27 +223,13 @@ def test_ranks_initialised_differently_start_from_rank_0s_router_and_their_dp_gr
 # ------------------------------------------------------------------ notebook 15 derives this code
 
 
-def _notebook_definitions():
-    nb = nbformat.read(SOLUTIONS / "15_expert_parallel.ipynb", as_version=4)
-    found = {}
-    for cell in nb.cells:
-        if cell.cell_type != "code" or cell.id == "colab-install":  # the Colab cell has IPython's %pip
-            continue
-        tree = ast.parse(cell.source)
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):  # with its decorators (@dataclass)
-                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                found[node.name] = "\n".join(cell.source.splitlines()[first - 1:node.end_lineno])
-    return found
-
-
 DERIVED = ["Expert", "Routing", "within_capacity", "route", "load_balancing_loss", "MoE", "AllToAll",
            "run_experts", "ExpertParallelMoE", "expert_parameters"]  # dispatch and combine: Exercise 1, the package's printed
 
 
 @pytest.mark.parametrize("name", DERIVED)
 def test_the_notebook_derives_the_package_code(name):
-    derived = _notebook_definitions()
+    derived = definitions(SOLUTIONS / "15_expert_parallel.ipynb")
     assert name in derived, f"notebook 15 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(ep, name)).rstrip(), (
         f"notebook 15's {name} differs from course/expert_parallel.py: keep them identical"

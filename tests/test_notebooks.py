@@ -248,3 +248,21 @@ def test_a_trailing_newline_does_not_make_a_cell_differ():
     sources = [({c.id: c.source for c in nb.cells})["c1"] for nb in (solution, student)]
     assert sources == ["import time\ntime.sleep(9)\n", "import time\ntime.sleep(9)"]  # the build dropped it ...
     assert notebooks.student_cells_to_run(solution, student) == ["c0"]  # ... and it is still the same cell
+
+
+def test_definitions_are_the_code_a_student_sees_with_decorators_and_without_markers(tmp_path):
+    from course.notebooks import definitions
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%pip install course", id="colab-install"),
+        nbformat.v4.new_code_cell("import dataclasses\n\n@dataclasses.dataclass\nclass Point:\n    x: int\n\nPOINT = Point(1)"),
+        nbformat.v4.new_code_cell("def answer(x):\n    # BEGIN SOLUTION\n    return x + 1  # SOLUTION\n    # END SOLUTION\n"),
+        nbformat.v4.new_markdown_cell("def not_code():"),
+    ]
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, path)
+    assert definitions(path) == {
+        "Point": "@dataclasses.dataclass\nclass Point:\n    x: int",
+        "answer": "def answer(x):\n    return x + 1",
+    }

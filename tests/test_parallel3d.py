@@ -3,15 +3,13 @@ mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what
 laws plus gloo's per-message headers predict, and notebook 16 shows the package's code."""
 
 import inspect
-import re
 
-import nbformat
 import pytest
 import torch.distributed as dist
 
 from course import launch, parallel3d, planner
 from course.doctor import PART_II_TORCH, torch_at_least
-from course.notebooks import SOLUTIONS, solution_code
+from course.notebooks import SOLUTIONS, definitions
 
 # course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
 pytestmark = pytest.mark.skipif(
@@ -99,15 +97,6 @@ def test_planner_memory_follows_zero_stages():
     assert used[2]["parameters"] == 2 * p and used[3]["parameters"] == 2 * p / 8 + 2 * 2 * model.layer_params()  # + two whole layers
 
 
-def _defined_in_notebook(name):
-    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
-        if cell.cell_type == "code":
-            match = re.search(rf"^def {name}\(.*?(?=^\S|\Z)", solution_code(cell.source) + "\n", re.M | re.S)
-            if match:
-                return match.group(0).rstrip()
-    raise AssertionError(f"{name} is not defined in {NOTEBOOK.name}")
-
-
 @pytest.mark.parametrize("name", ["mesh_groups", "shard_like", "pipeline_step", "average_gradients", "make_groups", "train"])
 def test_notebook_shows_the_package_code(name):
-    assert _defined_in_notebook(name) == inspect.getsource(getattr(parallel3d, name)).rstrip()
+    assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(parallel3d, name)).rstrip()

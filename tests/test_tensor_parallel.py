@@ -3,11 +3,9 @@ what the unsplit layers compute (outputs, input gradients, parameter gradients) 
 ranks; DTensor's ColwiseParallel/RowwiseParallel equals the hand-written MLP; a 2×2 mesh
 (data × tensor parallel) trains like one process; notebook 12 derives the package's code."""
 
-import ast
 import copy
 import inspect
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +15,7 @@ from torch import nn
 from course import launch
 from course import tensor_parallel as tp
 from course import tracing
-from course.notebooks import SOLUTIONS
+from course.notebooks import SOLUTIONS, definitions
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
 DIM, HIDDEN, HEADS, SEQ = 8, 16, 4, 5
@@ -212,25 +210,12 @@ def test_a_2x2_mesh_trains_like_one_process():
 # ------------------------------------------------------------------ notebook 12 derives this code
 
 
-def _notebook_definitions():
-    nb = nbformat.read(SOLUTIONS / "12_tensor_parallel.ipynb", as_version=4)
-    found = {}
-    for cell in nb.cells:
-        if cell.cell_type != "code" or cell.id == "colab-install":  # the Colab cell has IPython's %pip
-            continue
-        tree = ast.parse(cell.source)
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                found[node.name] = ast.get_source_segment(cell.source, node)
-    return found
-
-
 @pytest.mark.parametrize(
     "name",
     ["CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "shard", "ColumnParallelLinear", "RowParallelLinear", "MLP", "ParallelMLP"],
 )
 def test_the_notebook_derives_the_package_code(name):
-    derived = _notebook_definitions()
+    derived = definitions(SOLUTIONS / "12_tensor_parallel.ipynb")
     assert name in derived, f"notebook 12 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(tp, name)).rstrip(), (
         f"notebook 12's {name} differs from course/tensor_parallel.py: keep them identical"

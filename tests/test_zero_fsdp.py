@@ -3,9 +3,7 @@ checkpoints (notebook 11), on gloo/CPU."""
 
 import inspect
 import math
-import re
 
-import nbformat
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +22,7 @@ from course import launch
 from course.doctor import PART_II_TORCH, torch_at_least
 from course.fsdp import compute_in, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
 from course.memory import LiveBytes, bytes_per_rank, storage_bytes
-from course.notebooks import SOLUTIONS, solution_code
+from course.notebooks import SOLUTIONS, definitions
 from course.zero import flat_padded, zero1_setup, zero1_step
 
 # Measured on torch 2.8: these fail there (FSDP2 differs there); the
@@ -60,18 +58,6 @@ def _fsdp(world_size):
 # ------------------------------------------------------------------ the notebook shows the package's code
 
 
-def _defined_in_notebook(name):
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        code = solution_code(cell.source)
-        match = re.search(rf"^(?:def {name}\(|class {name}\b).*?(?=^\S|\Z)", code + "\n", re.M | re.S)
-        if match:
-            return match.group(0).rstrip()
-    raise AssertionError(f"{name} is not defined in {NOTEBOOK.name}")
-
-
 @pytest.mark.parametrize(
     "module, name",
     [(course.memory, "storage_bytes"), (course.memory, "bytes_per_rank"), (course.zero, "flat_padded"),
@@ -82,7 +68,7 @@ def _defined_in_notebook(name):
      (course.fsdp, "scaled_step"), (course.fsdp, "prefetch_forward")],
 )
 def test_notebook_derives_the_package_code(module, name):
-    assert _defined_in_notebook(name) == inspect.getsource(getattr(module, name)).rstrip()
+    assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(module, name)).rstrip()
 
 
 # ------------------------------------------------------------------ storage accounting
