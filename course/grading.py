@@ -194,13 +194,15 @@ class _Lost(Exception):
     """Every exercise of the notebook is lost; the message says why."""
 
 
-def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str | None, str | None]:
+def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str | None]:
     """Run one student notebook in a fresh kernel and take out each exercise's answers.
 
-    Returns ``(taken, lost, note)``: ``taken`` maps each exercise to ``{"answers": base64
-    pickle}``, ``{"missing": [names], "where": ...}`` or ``{"error": why}``; ``lost`` says why
-    every exercise is lost (the kernel died or would not stop), else None; ``note`` what went
-    wrong on the way (a cell that failed or ran past its limit), else None."""
+    Returns ``(taken, lost)``: ``taken`` maps each exercise to ``{"answers": base64 pickle}``,
+    ``{"missing": [names], "where": ..., "why": ...}`` or ``{"error": why}``; ``lost`` says why
+    every exercise is lost (the kernel died or would not stop), else None. ``why`` is the
+    failure (a cell that raised or ran past its limit) of one of the exercise's own answer
+    cells, or, if none of them is in the notebook, the last failure before the answers were
+    taken; else None: never another exercise's failure, never a later cell's."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -211,10 +213,11 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # not JSON, not a notebook
-        return {}, f"cannot read the notebook: {type(e).__name__}: {e}", None
+        return {}, f"cannot read the notebook: {type(e).__name__}: {e}"
     points = extraction_points(nb, exercises)
+    ids = {cell.get("id") for cell in nb.cells}
     token = uuid.uuid4().hex
-    notes, taken = [], {}
+    notes, taken = [], {}  # notes: (cell id, what went wrong in that cell)
     with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
         nbformat.write(nb, Path(tmp) / path.name)  # the copy the kernel runs beside; the submission is never touched
         client = NotebookClient(nb, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate",
@@ -243,14 +246,20 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
                     raise _Lost(f"{_describe(index, source)} ran past its time limit and did not stop when interrupted") from None
                 if left < limits.cell:
                     return False
-                notes.append(f"{_describe(index, source)} ran past its {limits.cell:g} s limit and was interrupted")
+                notes.append((cell.get("id"), f"{_describe(index, source)} ran past its {limits.cell:g} s limit and was interrupted"))
                 return True
             finally:
                 cell.source = source
             errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
             if errors:
-                notes.append(f"{_describe(index, source)} raised {errors[0].ename}: {errors[0].evalue}")
+                notes.append((cell.get("id"), f"{_describe(index, source)} raised {errors[0].ename}: {errors[0].evalue}"))
             return True
+
+        def why_missing(exercise):
+            own = [note for id, note in notes if id in exercise["answer_cells"]]
+            if own or any(id in ids for id in exercise["answer_cells"]):
+                return own[-1] if own else None
+            return notes[-1][1] if notes else None
 
         def take(due, where):
             out = Path(tmp) / f"answers-{token}-{len(taken)}.json"
@@ -262,7 +271,9 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
             found = _read_taken(out, [x["check"] for x in due])
             if isinstance(found, str):
                 raise _Lost(found)
-            taken.update((check, {**entry, "where": where} if "missing" in entry else entry) for check, entry in found.items())
+            for exercise in due:
+                entry = found[exercise["check"]]
+                taken[exercise["check"]] = {**entry, "where": where, "why": why_missing(exercise)} if "missing" in entry else entry
 
         index = None
         try:
@@ -282,19 +293,19 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
                     stopped = f"not reached: the notebook ran past its {limits.notebook:g} s limit at {_describe(index, nb.cells[index].source)}"
                     taken.update((x["check"], {"error": stopped}) for x in due)
         except _Lost as e:
-            return {}, str(e), None
+            return {}, str(e)
         except DeadKernelError:
             where = _describe(index, nb.cells[index].source) if index is not None else "start-up"
-            return {}, f"the kernel died while running {where} (it crashed, exited or ran out of memory)", None
+            return {}, f"the kernel died while running {where} (it crashed, exited or ran out of memory)"
         except Exception as e:  # the kernel would not start, ...: this notebook's exercises only
-            return {}, f"grading this notebook failed: {type(e).__name__}: {e}", None
+            return {}, f"grading this notebook failed: {type(e).__name__}: {e}"
         finally:
             for process in proctree.marked(token).values():  # whatever the notebook started and left running
                 try:
                     process.kill()
                 except Exception:
                     pass
-    return taken, None, "; ".join(notes[:1]) or None
+    return taken, None
 
 
 def _read_taken(out: Path, checks: list):
@@ -524,7 +535,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
         (student, number), path = item
         start = time.monotonic()
         exercises = table[number]["exercises"]
-        taken, lost, note = run_notebook(path, exercises, limits)
+        taken, lost = run_notebook(path, exercises, limits)
         done = []
         for check in (x["check"] for x in exercises):
             entry = taken.get(check, {})
@@ -534,7 +545,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
                 verdict, feedback = judge.judge(number, check, entry["answers"], limits.check)
             elif "missing" in entry:
                 missing = ", ".join(f"`{n}`" for n in entry["missing"])
-                verdict, feedback = "error", f"{missing} not defined {entry['where']}" + (f" ({note})" if note else "")
+                verdict, feedback = "error", f"{missing} not defined {entry['where']}" + (f" ({entry['why']})" if entry["why"] else "")
             else:
                 verdict, feedback = "error", entry.get("error", "no answer")
             done.append(Verdict(student, number, check, judge.title(number, check), verdict, feedback, str(path)))

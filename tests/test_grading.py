@@ -1,11 +1,13 @@
 """``python -m course grade`` and ``progress`` on real student notebooks: each gets exactly the
 verdicts it earned, whatever it says about itself.
 
-Two groups, each graded by one call (one judge, one kernel per notebook):
+Three groups, each graded by one call (one judge, one kernel per notebook):
 
 * notebook 01 as a student hands it in (built from notebooks/ and solutions/): solved,
   untouched, wrong answers, and two that tamper (``check`` redefined and stored outputs
   edited; ``course`` patched and the check cells deleted);
+* notebook 14 (Part III, ranks in its checks): a student copy with one exercise solved, two
+  wrong, and ``course`` patched so that every check says ✅ (✅ outputs stored too);
 * small notebooks with 01's answers, graded with a 3 s cell limit, two at a time: one that hangs (interrupted,
   the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
   whose answer attacks the checker when the check calls it.
@@ -15,7 +17,9 @@ out, ``.ci/run`` runs them after it; run them with ``pytest -m slow tests/test_g
 The fast tests at the end run in ``pytest``.
 """
 
+import contextlib
 import csv
+import io
 import sys
 
 import nbformat
@@ -44,11 +48,11 @@ RIGHT_WEIGHT_GRAD = "def weight_grad(model, x, y):\n    return 2 * (model(x) - y
 FULL_BATCH = "def chunk_mean_grad(model, x, y, n_chunks):\n    return 2 * (model(x) - y).T @ x / y.numel()"
 
 
-def student_01(answers=None, before=None, drop=(), outputs=None):
-    """Notebook 01 as handed in: ``answers`` {cell id: source} replace cells, ``before`` {cell id:
-    source} inserts a cell before one, ``drop`` deletes cells, ``outputs`` {cell id: text} stores
-    an output (as an edited notebook would)."""
-    nb = nbformat.from_dict(STUDENT)
+def student_copy(student, answers=None, before=None, drop=(), outputs=None):
+    """A student notebook as handed in: ``answers`` {cell id: source} replace cells, ``before``
+    {cell id: source} inserts a cell before one, ``drop`` deletes cells, ``outputs`` {cell id:
+    text} stores an output (as an edited notebook would)."""
+    nb = nbformat.from_dict(student)
     cells = []
     for cell in nb.cells:
         if cell.get("id") in (before or {}):
@@ -62,6 +66,11 @@ def student_01(answers=None, before=None, drop=(), outputs=None):
         cells.append(cell)
     nb.cells = cells
     return nb
+
+
+def student_01(answers=None, before=None, drop=(), outputs=None):
+    """Notebook 01 as handed in: see ``student_copy``."""
+    return student_copy(STUDENT, answers, before, drop, outputs)
 
 
 def small(*sources, ids=()):
@@ -140,6 +149,78 @@ def test_tampering_earns_nothing(graded_01, student):
     assert verdicts_of(graded_01, student) == verdicts_of(graded_01, "wrong")
 
 
+# A Part III notebook (14, the quickest of them to grade): a real student copy with one exercise
+# solved (its code from course/checks/solutions.json), two answered wrongly as tests/test_checks_nb14.py
+# proves its checks reject, and a tamper: `course` patched so that every check says ✅, with ✅ outputs
+# stored. Notebook 14 has three exercises, so none is left untouched (01's copies cover that).
+PART_III = "14_context_parallel.ipynb"
+WRONG_14 = {
+    "c19": "def ring_forward(q, k, v, layout, causal=False):\n"  # the next chunk sent only after this one is computed
+           "    rank, n = dist.get_rank(), dist.get_world_size()\n"
+           "    kv, out, lse = torch.stack([k, v]), None, None\n"
+           "    for step in range(n):\n"
+           "        src = (rank - step) % n\n"
+           "        o, l = attend(q, kv[0], kv[1], layout[rank], layout[src], causal)\n"
+           "        out, lse = (o, l) if out is None else merge(out, lse, o, l)\n"
+           "        if step < n - 1:\n"
+           "            kv, requests = start_pass(kv, (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))\n"
+           "            for request in requests:\n"
+           "                request.wait()\n"
+           "    return out, lse",
+    "c30": "def zigzag_layout(seq_len, world_size):\n"  # slice r paired with r + N, not 2N - 1 - r
+           "    slices = torch.arange(seq_len).tensor_split(2 * world_size)\n"
+           "    return [torch.cat([slices[r], slices[r + world_size]]) for r in range(world_size)]",
+}
+TAMPER_14 = ("import dataclasses, course.exercises\n"  # in Jupyter, every check cell below then prints ✅
+             "course.exercises.Exercise.__call__ = lambda self, *answers, **options: "
+             "dataclasses.replace(course.exercises.correct(), exercise=self.name)")
+
+
+@pytest.fixture(scope="module")
+def graded_14(tmp_path_factory):
+    from course.doctor import PART_II_TORCH, torch_at_least
+    from course.exercises import solutions
+
+    if not torch_at_least(PART_II_TORCH):
+        pytest.skip(f"notebook 14 needs torch >= {PART_II_TORCH}")
+    student = nbformat.read(ROOT / "notebooks" / PART_III, as_version=4)
+    nb = student_copy(student, {"c12": solutions()["14"]["merge"], **WRONG_14}, before={"c12": TAMPER_14},
+                      outputs={"c13": "✅ Exercise 1 (merge): correct!", "c20": "✅ Exercise 2 (ring_forward): correct!",
+                               "c31": "✅ Exercise 3 (zigzag_layout): correct!"})
+    folder = tmp_path_factory.mktemp("part3")
+    path = write(folder, "mixed", nb, name=PART_III)
+    out = folder / "grades.csv"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["grade", str(folder / "mixed"), "--csv", str(out)]) == 0
+    with open(out, newline="", encoding="utf-8") as f:
+        return path, list(csv.DictReader(f)), printed.getvalue()
+
+
+@pytest.mark.slow
+def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(graded_14):
+    path, rows, _ = graded_14
+    assert [list(r) for r in rows] == [grading.COLUMNS] * 3
+    assert [(r["student"], r["notebook"], r["exercise"], r["title"], r["verdict"], r["file"]) for r in rows] == [
+        ("mixed", "14", "merge", "Exercise 1 (merge)", "correct", str(path)),
+        ("mixed", "14", "ring_forward", "Exercise 2 (ring_forward)", "wrong", str(path)),
+        ("mixed", "14", "zigzag_layout", "Exercise 3 (zigzag_layout)", "wrong", str(path)),
+    ]
+    merge, ring, zigzag = (r["feedback"] for r in rows)
+    assert merge.startswith("small and large scores, a causal mask")
+    assert "between posting each irecv and waiting for it the check saw no matrix product" in ring
+    assert "not balanced" in zigzag
+
+
+@pytest.mark.slow
+def test_a_part_iii_notebooks_summary(graded_14):
+    assert [line.split() for line in graded_14[2].splitlines()] == [
+        ["notebook", "exercise", "solved", "wrong", "not", "attempted", "error"],
+        ["14", "Exercise", "1", "(merge)", "1/1", "0", "0", "0"],
+        ["14", "Exercise", "2", "(ring_forward)", "0/1", "1", "0", "0"],
+        ["14", "Exercise", "3", "(zigzag_layout)", "0/1", "1", "0", "0"],
+    ]
+
+
 def test_summary_counts_each_exercise():
     rows = [grading.Verdict(s, "01", "weight_grad", "Exercise 1 (weight_grad)", v, "", "")
             for s, v in [("a", "correct"), ("b", "correct"), ("c", "wrong"), ("d", "error"), ("e", "not attempted")]]
@@ -213,6 +294,24 @@ def test_exercises_past_the_notebooks_limit_are_not_reached(tmp_path):
     assert verdicts["weight_grad"][0] == "correct"  # taken after its cell, c06
     reason = "not reached: the notebook ran past its 4 s limit at cell 2 (`import time`)"
     assert verdicts["chunk_mean_grad"] == verdicts["chunk_loss"] == ("error", reason)
+
+
+@pytest.mark.slow
+def test_a_missing_answer_is_explained_by_its_own_cell_never_by_another_exercises(tmp_path):
+    """Why an answer is not defined: its own cell's failure; no other exercise's, and never a cell
+    that ran after its answers were taken (the grader used to name the notebook's first failure)."""
+    nb = small("weight_grad = undefined_helper()", "check.weight_grad(weight_grad)",
+               "pass  # chunk_mean_grad deleted", "check.chunk_mean_grad(chunk_mean_grad)",
+               "raise RuntimeError('a later cell')", ids=["c06", "c07", "c09", "c10"])
+    path = write(tmp_path, "me", nb)
+    verdicts = {v.exercise: (v.verdict, v.feedback) for v in grading.grade_notebooks([("me", path)], log=lambda s: None)}
+    assert verdicts == {
+        "weight_grad": ("error", "`weight_grad` not defined after cell 2 (`check.weight_grad(weight_grad)`) (cell 1 "
+                                 "(`weight_grad = undefined_helper()`) raised NameError: name 'undefined_helper' is not defined)"),
+        "chunk_mean_grad": ("error", "`chunk_mean_grad` not defined after cell 4 (`check.chunk_mean_grad(chunk_mean_grad)`)"),
+        "chunk_loss": ("error", "`chunk_loss` not defined when the notebook ended "  # its cells are not in the notebook
+                                "(cell 5 (`raise RuntimeError('a later cell')`) raised RuntimeError: a later cell)"),
+    }
 
 
 @pytest.mark.slow
