@@ -17,6 +17,8 @@ nbval runs every notebook it collects, one pytest item per code cell.
   stored outputs made before or after the Markdown form existed compare equal.
 * tests/test_browser.py (JupyterLab in headless Chromium, about a minute) runs only when named
   (``pytest tests/test_browser.py``, as ``.ci/run`` does beside the main run), not in ``pytest``.
+* Tests of a judge's own reasons use the fixture ``judges_only`` (``course.guard`` off: their
+  wrong answers are the course's finished code with one thing changed).
 * A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
   with the CPU; tests/nbval_sanitize.cfg makes nbval compare it as ``~N``.
 * With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
@@ -78,3 +80,20 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("repeats_solution_notebook") and Path(callspec.params["path"]).name in solutions_here:
             item.add_marker(pytest.mark.skip(reason=f"solutions/{Path(callspec.params['path']).name} runs it in this session"))
     items.sort(key=lambda i: not _is_notebook_cell(i))  # stable: notebooks first, in order
+
+
+@pytest.fixture
+def judges_only(monkeypatch):
+    """Every exercise without its course.guard: for tests of a judge's own reasons, whose wrong
+    answers are the course's finished version with one thing changed (the guard would refuse
+    them before the judge looks). tests/test_guard.py tries the guard itself."""
+    import importlib
+    import pkgutil
+
+    import course.checks
+    from course.exercises import Exercise
+
+    for info in pkgutil.iter_modules(course.checks.__path__):
+        for obj in vars(importlib.import_module(f"course.checks.{info.name}")).values():
+            if isinstance(obj, Exercise):
+                monkeypatch.setattr(obj, "finished", ())

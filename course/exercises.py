@@ -153,23 +153,33 @@ def code_block(code: str, language: str = "python") -> str:
 class Exercise:
     """One exercise: call it with the student's answer(s) to check them."""
 
-    def __init__(self, judge, name: str, hint: str):
+    def __init__(self, judge, name: str, hint: str, finished=()):
         functools.update_wrapper(self, judge)
         self.judge = judge
         self.name = name
         self._hint = hint
+        self.finished = tuple(finished)  # the course's own versions of the answer (course.guard)
         self.notebook = judge.__module__.rsplit(".nb", 1)[-1]  # "course.checks.nb02" -> "02"
 
     def __call__(self, *answers, **options) -> Feedback:
+        from course import guard
         from course.launcher import WorkerError
 
         if any(is_stub(a) for a in answers):
             feedback = todo()
+        elif why := next(filter(None, (guard.refused(a, self.finished) for a in answers)), None):
+            feedback = Feedback("", "wrong", f"not yet: {why}")
         else:
             try:
-                feedback = self.judge(*answers, **options)
+                with guard.guarding(self.finished, answers):
+                    feedback = self.judge(*answers, **options)
+            except guard.FinishedVersionUsed as e:  # raised in this process, outside the ranks
+                feedback = Feedback("", "wrong", f"not yet: {e}")
             except WorkerError as e:  # the student's code failed on a rank
                 feedback = rank_failed(e)
+            if isinstance(feedback, Feedback) and (why := next(
+                    (guard.message(d) for d in self.finished if guard.message(d) in feedback.message), None)):
+                feedback = Feedback("", "wrong", f"not yet: {why}")  # whatever else the judge made of it
         if not isinstance(feedback, Feedback):
             raise TypeError(f"{self.name}'s check returned {feedback!r}, not correct(...) or wrong(...).")
         return replace(feedback, exercise=self.name)
@@ -198,6 +208,8 @@ def rank_failed(e) -> Feedback:
         stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
         return replace(wrong(str(e).split("\n")[0]), details=stuck)
     reason = " ".join(e.reason.split())  # torch's messages go on in indented lines: one paragraph
+    if reason.startswith("FinishedVersionUsed: "):  # course.guard: not a crash, a verdict
+        return Feedback("", "wrong", "not yet: " + reason.removeprefix("FinishedVersionUsed: "))
     where = f", in your code at {e.where}" if e.where else ""
     message = f"not yet: a rank failed: {reason} (rank {e.rank}{where})"
     if e.last_lines:
@@ -205,11 +217,13 @@ def rank_failed(e) -> Feedback:
     return Feedback("", "wrong", message, details=e.last_lines)
 
 
-def exercise(name: str, hint: str):
-    """Decorator: turn ``judge(answer, ...) -> correct(...) | wrong(...)`` into an :class:`Exercise`."""
+def exercise(name: str, hint: str, finished=()):
+    """Decorator: turn ``judge(answer, ...) -> correct(...) | wrong(...)`` into an :class:`Exercise`.
+    ``finished``: dotted names of the course's own versions of the answer, which the answer may
+    neither be nor call (:mod:`course.guard`)."""
 
     def wrap(judge):
-        return Exercise(judge, name, hint)
+        return Exercise(judge, name, hint, finished)
 
     return wrap
 

@@ -79,7 +79,7 @@ import warnings
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from course import live
+from course import guard, live
 from course.worker import (
     Job,
     Report,
@@ -216,7 +216,7 @@ def launch(
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
         job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group,
-                  environ=environ)
+                  environ=environ, guarded=guard.active())
         # In Jupyter even a launch that shows nobody's output (show=None, as checks do) shows
         # which ranks still run after a second: a hang must not look like nothing happening.
         display = live.LiveOutput(job, show_ranks) if live.in_jupyter() else None

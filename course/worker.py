@@ -77,6 +77,9 @@ class Job:
     # The launcher's whole environment, for ranks forked by a server started earlier
     # (forkserver): it replaces what they inherited. None: they inherited the right one.
     environ: dict | None = None
+    # The course's finished versions a running check guards (course.guard): each rank guards
+    # them too, before it unpickles its function.
+    guarded: tuple = ()
 
     def output_path(self, rank: int) -> Path:
         return Path(self.workdir, f"rank{rank}.out")
@@ -345,6 +348,10 @@ def run_rank(rank: int, job: Job, payload, prepare=None) -> Report:
         import torch
 
         torch.set_num_threads(job.threads)  # the first torch call after a fork (see course.launcher)
+        if job.guarded:
+            from course import guard
+
+            guard.install(job.guarded)
         fn, args, backend = unpack(payload)
         if backend is not None:
             backend.register()

@@ -11,6 +11,10 @@ from course import collectives
 from course.checks import nb10
 from course.data_parallel import OverlapPerParameter, replicate, trainable
 
+# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# (it would refuse them first; tests/test_guard.py tries it).
+pytestmark = pytest.mark.usefixtures("judges_only")
+
 
 @pytest.mark.parametrize(
     "naive, ring, hint",

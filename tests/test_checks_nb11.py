@@ -18,6 +18,10 @@ from course.fsdp import (
 )
 from course.zero import flat_padded, zero1_step
 
+# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# (it would refuse them first; tests/test_guard.py tries it).
+pytestmark = pytest.mark.usefixtures("judges_only")
+
 # ------------------------------------------------------------------ Exercise 1 (zero1_step)
 
 

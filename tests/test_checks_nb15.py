@@ -9,9 +9,12 @@ from course.checks import nb15
 from course.doctor import PART_II_TORCH, torch_at_least
 
 # course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
-pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
-)
+# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# (it would refuse them first; tests/test_guard.py tries it).
+pytestmark = [
+    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"),
+    pytest.mark.usefixtures("judges_only"),
+]
 
 # ------------------------------------------------------------------ Exercise 1: dispatch and combine
 

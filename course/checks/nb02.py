@@ -99,7 +99,11 @@ def _manual_data_parallel_step(rank, world_size, average_gradients):
     return {"local": local, "averaged": averaged, "weight": model.weight.detach(), "bias": model.bias.detach()}
 
 
-@exercise("Exercise 2 (average_gradients)", hint="all_reduce every parameter's .grad (weight and bias), then divide by dist.get_world_size().")
+@exercise(
+    "Exercise 2 (average_gradients)",
+    hint="all_reduce every parameter's .grad (weight and bias), then divide by dist.get_world_size().",
+    finished=("course.parallel3d.average_gradients",),
+)
 def average_gradients(fn, world_size=4):
     """Exercise 2: data parallelism without DDP — average the gradients across ranks."""
     results = launch(_manual_data_parallel_step, world_size, fn, show=None, timeout=30)

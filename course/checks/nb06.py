@@ -57,7 +57,11 @@ def _close(a, b):
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
-@exercise("Exercise 1 (global_mean_var)", hint="mean = (Σx summed over ranks) / (count summed over ranks), per channel (dim 0).")
+@exercise(
+    "Exercise 1 (global_mean_var)",
+    hint="mean = (Σx summed over ranks) / (count summed over ranks), per channel (dim 0).",
+    finished=("course.syncbn.global_mean_var",),
+)
 def global_mean_var(fn):
     """Exercise 1: per-channel mean and biased variance of the global batch, with one all_reduce."""
     results = launch(_run_mean_var, len(SIZES), fn, backend="traced", show=None, timeout=30)

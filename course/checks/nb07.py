@@ -132,7 +132,8 @@ def _rename_problem(events):
 
 
 @exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final "
-          "name; if saving fails, delete the temporary file and re-raise.")
+          "name; if saving fails, delete the temporary file and re-raise.",
+          finished=("course.checkpoint.atomic_save",))
 def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
     with tempfile.TemporaryDirectory() as folder:

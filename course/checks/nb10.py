@@ -140,6 +140,7 @@ def _expected(world_size, n):
 @exercise(
     "Exercise 2 (ring all-reduce)",
     hint="cut the tensor with torch.tensor_split(tensor, N) (views, so adding into them changes the tensor); reduce-scatter for N - 1 steps (isend one chunk right, recv one from the left, add it into your copy of that chunk), then all-gather for N - 1 steps (pass the finished chunks on, copying instead of adding).",
+    finished=("course.collectives.ring_all_reduce",),
 )
 def ring_all_reduce(fn, timeout=None):
     """Exercise 2: sum a tensor over all ranks, in place, with a ring of sends and receives."""
@@ -385,6 +386,7 @@ def _untouched(cls):
 @exercise(
     "Exercise 3 (overlap per parameter)",
     hint="in __init__, after replicate(model), p.register_post_accumulate_grad_hook(self.grad_ready) for every p in trainable(model); in the hook, divide p.grad by the world size and keep the handle of dist.all_reduce(p.grad, async_op=True); in finish(), wait() for each handle and forget them.",
+    finished=("course.data_parallel.OverlapPerParameter",),
 )
 def overlap_per_parameter(cls):
     """Exercise 3: a DP that starts one async all-reduce per gradient from a hook, and waits in finish()."""

@@ -127,6 +127,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     "Exercise 1 (zero1_step)",
     hint="reduce_scatter_tensor the flat gradients into a tensor shaped like `shard`, divide by the world size, "
     "set it as shard.grad, step, then all_gather_into_tensor the shards and copy them into the parameters in order.",
+    finished=("course.zero.zero1_step",),
 )
 def zero1_step(fn, world_sizes=(2, 3)):
     """Exercise 1: one ZeRO-1 update (reduce-scatter, step on my slice, all-gather), on 2 ranks
@@ -301,6 +302,7 @@ def _fsdp_run(rank, world_size, fn, steps=2):
     "For each unit (and the model, for the parameters of no unit): a forward pre-hook that gathers the unit's "
     "sharded parameters, a forward hook that frees them and registers a hook on the output that gathers them "
     "again (it runs when backward reaches the unit). Return shards.",
+    finished=("course.fsdp.fully_shard_by_hand",),
 )
 def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
@@ -415,6 +417,7 @@ def _scaler_pair(rank, world_size, fn, reference):
     hint="backward on loss * scale; found = 1.0 if any of this rank's shard gradients is not finite; "
     "dist.all_reduce(found, op=dist.ReduceOp.MAX); if found: optimizer.zero_grad() and return (scale / 2, False); "
     "else divide every shard's gradient by scale, optimizer.step(), return (scale, True).",
+    finished=("course.fsdp.scaled_step",),
 )
 def scaled_step(fn, world_sizes=(2, 3)):
     """Exercise 3: a loss-scaled step whose verdict every rank shares."""

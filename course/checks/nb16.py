@@ -24,6 +24,7 @@ def _canonical(answer):
     "Exercise 1 (mesh_groups)",
     hint="a rank's coordinates are d = rank // (pp * tp), p = rank // tp % pp, t = rank % tp. A group of one "
     "dimension is the ranks whose *other two* coordinates are equal: loop over the other two, vary this one.",
+    finished=("course.parallel3d.mesh_groups",),
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
