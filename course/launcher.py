@@ -30,7 +30,10 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   rank takes the notebook's environment as it is at the launch (``os.environ``) before
   anything else. Variables torch reads once, at ``import torch`` (such as
   ``TORCH_DISTRIBUTED_DEBUG``), take effect only in spawned ranks: a forked rank's torch
-  was imported before the launch, by the notebook or by the forkserver.
+  was imported before the launch, by the notebook or by the forkserver. And in a script
+  only if its main module does not import torch at its top: spawn re-runs the main
+  module in each rank, importing torch before ``env=`` is applied (``os.environ`` set
+  before the launch is inherited in time).
 * **Imports.** Forked ranks inherit the notebook's imported modules; ``launch`` imports
   the one DDP loads lazily (``torch._dynamo``, seconds) before forking, once per kernel.
 * **Threads.** OpenMP is not fork-safe: once the kernel has run a multi-threaded torch

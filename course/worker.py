@@ -257,23 +257,64 @@ def pack(fn, args, backend: RegisteredBackend | None = None) -> bytes:
 
 
 def _unpicklable_part(fn, args):
-    """Which argument, or which global name ``fn`` uses, cannot be pickled (for the error message)."""
+    """What cannot be pickled, named for the error message: an argument of ``launch``, or what
+    pickling ``fn`` by value takes along (see :func:`_parts`)."""
     import inspect
 
-    try:
-        names = inspect.getclosurevars(fn)
+    try:  # the parameter of fn each argument fills: "argument 2" would be ambiguous
+        parameters = list(inspect.signature(fn).bind(0, 1, *args).signature.parameters.values())
     except (TypeError, ValueError):
-        return ""
-    parts = [(f"argument {i + 1}", a) for i, a in enumerate(args)]
-    parts += [(f"the global {name!r} that {getattr(fn, '__name__', 'fn')} uses", v) for name, v in names.globals.items()]
-    parts += [(f"the variable {name!r} that {getattr(fn, '__name__', 'fn')} closes over", v) for name, v in names.nonlocals.items()]
-    for what, value in parts:
-        try:
-            _keep_source_pickler()(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-        except Exception:
+        parameters = []
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][2:]
+    arguments = [(f"the argument `{names[i]}`" if i < len(names) else f"argument {i + 1} after world_size", a)
+                 for i, a in enumerate(args)]
+    for what, value in [*arguments, *_parts(fn)]:
+        found = _culprit(what, value)
+        if found is not None:
+            what, value = found
             return (f" ({what}, a {type(value).__name__}). Create it inside the function instead, or pass"
                     " something that pickles (a name, numbers, tensors).")
     return ""
+
+
+def _culprit(what, value, depth=1):
+    """``(what, value)`` if ``value`` does not pickle, or, for a function, the part of it that does
+    not (``depth`` levels down: 'the global LOCK that helper uses'); None if it pickles."""
+    try:
+        _keep_source_pickler()(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return None
+    except Exception:
+        pass
+    for part in _parts(value) if depth else ():
+        found = _culprit(*part, depth - 1)
+        if found is not None:
+            return found
+    return what, value
+
+
+def _parts(fn):
+    """``(description, value)`` for what pickling ``fn`` by value takes along: a function's
+    defaults and the global and closed-over variables it uses, a ``functools.partial``'s
+    function and arguments, a bound method's object and its attributes."""
+    import inspect
+
+    if isinstance(fn, functools.partial):
+        yield from _parts(fn.func)
+        yield from ((f"argument {i + 1} of the functools.partial", a) for i, a in enumerate(fn.args))
+        yield from ((f"the keyword argument `{k}` of the functools.partial", v) for k, v in fn.keywords.items())
+    elif inspect.ismethod(fn):
+        yield from _parts(fn.__func__)
+        owner = f"the {type(fn.__self__).__name__} that {fn.__name__} is a method of"
+        yield from ((f"the attribute `{k}` of {owner}", v) for k, v in getattr(fn.__self__, "__dict__", {}).items())
+        yield owner, fn.__self__
+    elif inspect.isfunction(fn):
+        code, defaults = fn.__code__, fn.__defaults__ or ()
+        positional = code.co_varnames[:code.co_argcount]
+        defaulted = {**dict(zip(positional[len(positional) - len(defaults):], defaults)), **(fn.__kwdefaults__ or {})}
+        yield from ((f"the default of `{name}` in {fn.__name__}", v) for name, v in defaulted.items())
+        variables = inspect.getclosurevars(fn)
+        yield from ((f"the global {name!r} that {fn.__name__} uses", v) for name, v in variables.globals.items())
+        yield from ((f"the variable {name!r} that {fn.__name__} closes over", v) for name, v in variables.nonlocals.items())
 
 
 @functools.cache

@@ -1,8 +1,10 @@
 """course.launch: results, output order, failures, hangs, cleanup, bad arguments."""
 
 import ast
+import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import course
 from course import WorkerError, WorkerTimeoutError, launch
 from course.launcher import choose_start_method, default_start_method
+from course.worker import pack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,9 +228,52 @@ def test_what_does_not_pickle_is_named_before_anything_starts():
 
     with pytest.raises(TypeError, match=r"the global '_LOCK' that uses_a_lock uses, a lock\)\. Create it inside"):
         launch(uses_a_lock, 1, start_method="forkserver")
-    with pytest.raises(TypeError, match=r"\(argument 2, a lock\)"):
+    with pytest.raises(TypeError, match=r"\(the argument `b`, a lock\)"):  # by the parameter it fills
         launch(lambda r, w, a, b: r, 1, 0, threading.Lock(), start_method="spawn")
+    with pytest.raises(TypeError, match=r"\(argument 2 after world_size, a lock\)"):  # no name to give
+        launch(lambda r, w, *rest: r, 1, 0, threading.Lock(), start_method="spawn")
     assert _children() == []
+
+
+# As if typed in a notebook: functions of a module that cannot be imported are pickled by value.
+_CELL = {"__name__": "a_notebook_cell", "threading": threading, "functools": functools}
+exec(textwrap.dedent("""
+    LOCK = threading.Lock()
+
+    def uses_the_lock():
+        with LOCK:
+            return 1
+
+    class HoldsALock:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def run(self, rank, world_size):
+            return rank
+
+    def default_lock(rank, world_size, lock=LOCK):
+        return rank
+
+    def keyword_only_default_lock(rank, world_size, *, lock=LOCK):
+        return rank
+
+    CASES = [
+        (default_lock, (), "the default of `lock` in default_lock, a lock"),
+        (keyword_only_default_lock, (), "the default of `lock` in keyword_only_default_lock, a lock"),
+        (lambda r, w: uses_the_lock(), (), "the global 'LOCK' that uses_the_lock uses, a lock"),  # not 'uses_the_lock'
+        (functools.partial(lambda r, w: uses_the_lock()), (), "the global 'LOCK' that uses_the_lock uses, a lock"),
+        (functools.partial(lambda r, w, a, lock: r, 0), (LOCK,), "the argument `lock`, a lock"),
+        (functools.partial(lambda r, w, a: r, LOCK), (), "argument 1 of the functools.partial, a lock"),
+        (functools.partial(lambda r, w, lock: r, lock=LOCK), (), "the keyword argument `lock` of the functools.partial, a lock"),
+        (HoldsALock().run, (), "the attribute `lock` of the HoldsALock that run is a method of, a lock"),
+    ]
+"""), _CELL)
+
+
+@pytest.mark.parametrize("fn, args, named", _CELL["CASES"], ids=[named.split(",")[0] for _, _, named in _CELL["CASES"]])
+def test_what_does_not_pickle_is_found_where_pickling_fn_takes_it(fn, args, named):
+    with pytest.raises(TypeError, match=re.escape(f"({named}). Create it inside")):
+        pack(fn, args)
 
 
 @pytest.mark.parametrize("start_method, attempt", [("fork", 0), ("fork", 1), ("fork", 2), ("forkserver", 0)])
