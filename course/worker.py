@@ -392,7 +392,7 @@ def run_rank(rank: int, job: Job, payload, prepare=None) -> Report:
         if job.guarded:
             from course import guard
 
-            guard.install(job.guarded)
+            guard.install(job.guarded, [])  # for this rank's life
         fn, args, backend = unpack(payload)
         if backend is not None:
             backend.register()

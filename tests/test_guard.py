@@ -52,37 +52,47 @@ def _through_an_imported_name(dotted):
 
 
 def _answers(ex, make):
-    return [make(dotted) for dotted in ex.finished]
+    """One answer per answer the check takes, from the first finished versions it names (notebook 10's
+    ring also names its two halves)."""
+    import inspect
+
+    taken = [p for p in inspect.signature(ex.judge).parameters.values() if p.default is inspect.Parameter.empty]
+    return [make(dotted) for dotted in ex.finished[:len(taken)]]
 
 
 @pytest.mark.parametrize("ex", GUARDED, ids=lambda ex: f"nb{ex.notebook}-{ex.__name__}")
 def test_the_finished_version_itself_is_refused(ex):
     _skip_old_torch(ex)
-    originals = [getattr(*guard.resolve(d)) for d in ex.finished]
+    originals = _answers(ex, lambda dotted: getattr(*guard.resolve(dotted)))
     feedback = ex(*originals)
     assert feedback.status == "wrong" and f"the course's own finished version, {ex.finished[0]}" in feedback.message
 
 
 @pytest.mark.parametrize("make", [_through_the_module, _through_an_imported_name])
 @pytest.mark.parametrize("ex", GUARDED, ids=lambda ex: f"nb{ex.notebook}-{ex.__name__}")
-def test_a_wrapper_that_calls_it_is_refused_and_every_name_is_restored(ex, make):
+def test_a_wrapper_that_calls_it_is_refused_and_it_works_again_after(ex, make):
     _skip_old_torch(ex)
     if isinstance(getattr(*guard.resolve(ex.finished[0])), type):
-        pytest.skip("a class: see test_forms_that_hold_it_are_refused_at_once")
-    answers = _answers(ex, make)
-    before = [getattr(*guard.resolve(d)) for d in ex.finished]
-    feedback = ex(*answers)
+        pytest.skip("a class: see test_a_class_that_borrows_its_parts_is_refused")
+    feedback = ex(*_answers(ex, make))
     assert feedback.status == "wrong", feedback
     assert feedback.message.startswith("not yet: your answer uses the course's own finished version, "), feedback
-    assert [getattr(*guard.resolve(d)) for d in ex.finished] == before and guard.active() == ()
-    for answer, original in zip(answers, before):  # the notebook's own name is the original again
-        assert answer.__globals__.get("finished", original) is original
+    assert guard.active() == ()
+    for dotted in ex.finished:  # unguarded again: the student's own code may call it after the check
+        function = getattr(*guard.resolve(dotted))
+        space = {"f": function}
+        exec(compile("try:\n    f()\nexcept TypeError:\n    pass  # no arguments: it ran", "<notebook cell>", "exec"), space)
+
+
+def _notebook(source):
+    space = {"__name__": "__main__"}
+    exec(compile(source, "<notebook cell>", "exec"), space)
+    return space
 
 
 def test_forms_that_hold_it_are_refused_at_once():
-    from course.checks import nb10, nb14
+    from course.checks import nb14
     from course.context_parallel import merge
-    from course.data_parallel import OverlapPerParameter
 
     def with_default(*args, f=merge):
         return f(*args)
@@ -96,13 +106,54 @@ def test_forms_that_hold_it_are_refused_at_once():
     def wrapped(*args):
         return sorted(args)  # says it wraps merge (functools.wraps): taken at its word
 
-    class Mine(OverlapPerParameter):
-        pass
-
     for answer in (functools.partial(merge), with_default, closure(), wrapped):
         assert "course.context_parallel.merge" in guard.refused(answer, nb14.merge.finished), answer
-    assert "OverlapPerParameter" in guard.refused(Mine, nb10.overlap_per_parameter.finished)
     assert guard.refused(lambda *args: args, nb14.merge.finished) is None
+
+
+@pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 14 needs torch >= {PART_II_TORCH}")
+@pytest.mark.parametrize("source", [
+    "fns = [cp.merge]\ndef answer(*a):\n    return fns[0](*a)",  # kept in a container
+    "def make(f):\n    return lambda *a: f(*a)\nhelper = make(cp.merge)\ndef answer(*a):\n    return helper(*a)",
+    "class A:\n    __call__ = staticmethod(cp.merge)\nanswer = A()",  # the check calls it straight
+    "def answer(*a):\n    return cp.merge.__get__(object()).__func__(*a)",
+    "import concurrent.futures as cf\npool = cf.ThreadPoolExecutor(1)\n"
+    "def answer(*a):\n    return pool.submit(cp.merge, *a).result()",  # in a thread of the answer's
+    "def answer(*a):\n    return getattr(__import__('importlib').import_module('course.context_parallel'), 'merge')(*a)",
+])
+def test_references_kept_anywhere_reach_the_guard(source):
+    from course.checks import nb14
+
+    answer = _notebook("import course.context_parallel as cp\n" + source)["answer"]
+    feedback = nb14.merge(answer)
+    assert feedback.status == "wrong" and "course.context_parallel.merge" in feedback.message, feedback
+
+
+def test_the_halves_of_the_ring_are_refused_too():
+    """course.collectives.ring_all_reduce is its two halves, printed in notebook 10 after the exercise."""
+    from course.checks import nb10
+
+    answer = _notebook("from course import collectives as c\ndef ring(t):\n    c.ring_reduce_scatter(t)\n"
+                       "    c.ring_all_gather(t)\n    return t")["ring"]
+    feedback = nb10.ring_all_reduce(answer)
+    assert feedback.status == "wrong" and "course.collectives.ring_reduce_scatter" in feedback.message, feedback
+
+
+@pytest.mark.parametrize("source", [
+    "class Mine(OverlapPerParameter):\n    pass",
+    "class Mine:\n    __init__ = OverlapPerParameter.__init__\n    grad_ready = OverlapPerParameter.grad_ready\n"
+    "    finish = OverlapPerParameter.finish",
+    "class Mine:\n    def __init__(self, model):\n        self.inner = OverlapPerParameter(model)\n"
+    "    def finish(self):\n        self.inner.finish()",
+    "class Mine:\n    def __init__(self, model):\n        self.inner = OverlapPerParameter.__mro__[0](model)\n"
+    "    def finish(self):\n        self.inner.finish()",
+])
+def test_a_class_that_borrows_its_parts_is_refused(source):
+    from course.checks import nb10
+
+    answer = _notebook("from course.data_parallel import OverlapPerParameter\n" + source)["Mine"]
+    feedback = nb10.overlap_per_parameter(answer)
+    assert feedback.status == "wrong" and "course.data_parallel.OverlapPerParameter" in feedback.message, feedback
 
 
 @pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 14 needs torch >= {PART_II_TORCH}")
@@ -113,27 +164,53 @@ def test_ranks_that_are_not_forks_guard_it_too(monkeypatch, start_method):
     from course.checks import nb14
 
     monkeypatch.setenv("COURSE_START_METHOD", start_method)
-    feedback = nb14.ring_forward(_through_the_module("course.context_parallel.ring_forward"))
-    assert feedback.status == "wrong" and "course.context_parallel.ring_forward" in feedback.message, feedback
+    for answer in (_through_the_module("course.context_parallel.ring_forward"),
+                   _notebook("import course.context_parallel as cp\nfns = [cp.ring_forward]\n"
+                             "def answer(*a, **k):\n    return fns[0](*a, **k)")["answer"]):
+        feedback = nb14.ring_forward(answer)
+        assert feedback.status == "wrong" and "course.context_parallel.ring_forward" in feedback.message, feedback
 
 
-def test_the_check_and_course_code_may_call_it():
-    """The guard stands between the answer and the finished code only: a call whose nearest frame
-    outside the course and the libraries is a check's goes through (Exercise 1 of notebook 11
-    measures the course's own step on the wire as its reference), the student's code is refused."""
+def _frame(source, filename, space):
+    """Run ``source`` as if it were in ``filename``; it sets ``space["frame"]``."""
+    exec(compile(source, filename, "exec"), space)
+    return space
+
+
+def test_who_may_call_it(tmp_path):
+    """Course code a check runs may call it (Exercise 1 of notebook 11 measures the course's own
+    step as its reference); a check calling it straight is calling the answer (a borrowed method),
+    and must ask for guard.original; the student's code may not, nor code with no check below it.
+    Also through a symbolic link to the checkout (macOS's /tmp, an HPC's /home)."""
+    import sys
+
+    checks = Path(course.checks.__file__).parent
+    link = tmp_path / "link"
+    link.symlink_to(checks.parent, target_is_directory=True)
+    for root in (checks.parent, link):
+        space = {"sys": sys}
+        _frame("def course_code():\n    frame = sys._getframe()\n    return frame", str(root / "nb99_helper.py"), space)
+        _frame("def a_check(inner):\n    return inner()", str(root / "checks" / "nb99.py"), space)
+        _frame("def student():\n    return course_code()", "<notebook cell>", space)
+        assert guard.called_from_an_answer(space["a_check"](space["course_code"])) is False  # course code under a check
+        assert guard.called_from_an_answer(space["a_check"](lambda: sys._getframe())) is True  # test code: student
+        assert guard.called_from_an_answer(space["a_check"](space["student"])) is True  # the student's, via course code
+        assert guard.called_from_an_answer(space["course_code"]()) is True  # called by this test: the student
+
     import torch
 
     from course import context_parallel as cp
 
-    args = {"cp": cp, "x": torch.zeros(2, 3), "lse": torch.zeros(2)}
-    a_check = str(Path(course.checks.__file__).with_name("nb99_a_check.py"))
+    x, lse = torch.zeros(2, 3), torch.zeros(2)
     with guard.guarding(["course.context_parallel.merge"]):
-        assert guard.active() == ("course.context_parallel.merge",) and cp.merge.__wrapped__ is not None
-        exec(compile("out, lse = cp.merge(x, lse, x, lse)", a_check, "exec"), args)
-        assert torch.equal(args["lse"], torch.full((2,), 0.6931471805599453))  # log 2: it ran
+        assert guard.active() == ("course.context_parallel.merge",)
+        assert not hasattr(cp.merge, "__wrapped__")  # nothing hands the original out
+        out, merged = guard.original(cp.merge)(x, lse, x, lse)  # a check's own reference
+        assert torch.equal(merged, torch.full((2,), 0.6931471805599453))  # log 2: it ran
         with pytest.raises(guard.FinishedVersionUsed, match="course.context_parallel.merge"):
-            exec(compile("cp.merge(x, lse, x, lse)", "<notebook cell>", "exec"), args)
-    assert guard.active() == () and not hasattr(cp.merge, "__wrapped__")
+            cp.merge(x, lse, x, lse)  # from this test: the student's code
+    assert guard.active() == () and guard.original(cp.merge) is cp.merge
+    assert torch.equal(cp.merge(x, lse, x, lse)[1], merged)
 
 
 def _names_the_package_holds():

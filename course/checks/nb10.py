@@ -140,7 +140,7 @@ def _expected(world_size, n):
 @exercise(
     "Exercise 2 (ring all-reduce)",
     hint="cut the tensor with torch.tensor_split(tensor, N) (views, so adding into them changes the tensor); reduce-scatter for N - 1 steps (isend one chunk right, recv one from the left, add it into your copy of that chunk), then all-gather for N - 1 steps (pass the finished chunks on, copying instead of adding).",
-    finished=("course.collectives.ring_all_reduce",),
+    finished=("course.collectives.ring_all_reduce", "course.collectives.ring_reduce_scatter", "course.collectives.ring_all_gather"),
 )
 def ring_all_reduce(fn, timeout=None):
     """Exercise 2: sum a tensor over all ranks, in place, with a ring of sends and receives."""

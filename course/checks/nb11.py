@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import tracing, wire
+from course import guard, tracing, wire
 from course.exercises import correct, exercise, wrong
 from course.launcher import launch
 from course.memory import bytes_per_rank as measure_bytes
@@ -107,7 +107,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     for p, q in zip(reference.parameters(), model.parameters()):
         p.grad = torch.ones_like(q)
     with _on_wire() as reference_wire:
-        reference_zero1_step(reference, reference_shard, reference_optimizer)
+        guard.original(reference_zero1_step)(reference, reference_shard, reference_optimizer)
     flat = torch.nn.utils.parameters_to_vector
     return {
         "gathers_more_than_a_shard": gathered > shard_bytes,
@@ -291,7 +291,7 @@ def _fsdp_run(rank, world_size, fn, steps=2):
             gather_parameter(p, shard)
         run["difference"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
         if index == 0:  # the course's version on the same model and data: the bytes a right answer sends
-            run["reference_wire"] = _fsdp_train(rank, model2, units2, course_version, steps)["wire"]
+            run["reference_wire"] = _fsdp_train(rank, model2, units2, guard.original(course_version), steps)["wire"]
         out.append({**run, "model": index})
     return out
 
@@ -421,8 +421,9 @@ def _scaler_pair(rank, world_size, fn, reference):
 )
 def scaled_step(fn, world_sizes=(2, 3)):
     """Exercise 3: a loss-scaled step whose verdict every rank shares."""
-    from course.fsdp import scaled_step as reference
+    from course.fsdp import scaled_step
 
+    reference = guard.original(scaled_step)  # the course's own, unguarded: the check's yardstick
     for world_size in world_sizes:
         both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
         mine, right = [m for m, _ in both], [r for _, r in both]
@@ -480,7 +481,7 @@ def _measure_stages(rank, world_size):
     zero_model = _bytes_model()
     shard, zero_optimizer = zero1_setup(zero_model, torch.optim.Adam)
     zero_model(x).square().mean().backward()
-    reference_zero1_step(zero_model, shard, zero_optimizer)
+    guard.original(reference_zero1_step)(zero_model, shard, zero_optimizer)
 
     fsdp = _bytes_model()
     mesh = init_device_mesh("cpu", (world_size,))

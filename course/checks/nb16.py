@@ -4,7 +4,7 @@ import numbers
 
 import math
 
-from course import parallel3d
+from course import guard
 from course.exercises import correct, exercise, wrong
 from course.parallel3d import mesh_groups as reference_groups
 from course.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
@@ -28,8 +28,6 @@ def _canonical(answer):
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
-    if getattr(fn, "__code__", None) is parallel3d.mesh_groups.__code__:
-        return wrong("that is the course's own mesh_groups (course.parallel3d): write yours.")
     for shape in SHAPES:
         try:
             answer = fn(*shape)
@@ -37,7 +35,7 @@ def mesh_groups(fn):
             return wrong(f"mesh_groups{shape} raised {type(e).__name__}: {e}")
         if not isinstance(answer, dict) or set(answer) != {"dp", "pp", "tp"}:
             return wrong('return a dict with the keys "dp", "pp" and "tp", each a list of lists of ranks.')
-        got, expected = _canonical(answer), _canonical(reference_groups(*shape))
+        got, expected = _canonical(answer), _canonical(guard.original(reference_groups)(*shape))
         if got == expected:
             continue
         dp, pp, tp = shape
