@@ -47,6 +47,7 @@ _CHECKS = _COURSE + "checks" + os.sep
 _LIBRARIES = tuple(
     {os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_paths().get(key))}
 )
+_PACKAGE_FOLDERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")  # also the system's (Colab)
 _active: dict = {}  # dotted name -> the functions guarded for it, in this process
 _saved: dict = {}  # a guarded function -> (its own code, an unguarded copy of it, dotted name)
 
@@ -133,7 +134,7 @@ def _kind(filename: str) -> str:
         return "check"
     if path.startswith(_COURSE):
         return "course"
-    if path.startswith(_LIBRARIES):
+    if path.startswith(_LIBRARIES) or any(folder in path for folder in _PACKAGE_FOLDERS):
         return "library"
     return "student"
 

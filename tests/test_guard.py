@@ -197,6 +197,14 @@ def test_who_may_call_it(tmp_path):
         assert guard.called_from_an_answer(space["a_check"](space["student"])) is True  # the student's, via course code
         assert guard.called_from_an_answer(space["course_code"]()) is True  # called by this test: the student
 
+    # A library outside this Python's own folders (Debian's /usr/lib/python3/dist-packages, as on
+    # Colab) is a library: torch's autograd between a check and course code is not the student.
+    space = {"sys": sys}
+    _frame("def course_code():\n    return sys._getframe()", str(checks.parent / "nb99_helper.py"), space)
+    _frame("def torch_code(inner):\n    return inner()", "/usr/lib/python3/dist-packages/torch/autograd/x.py", space)
+    _frame("def a_check():\n    return torch_code(course_code)", str(checks / "nb99.py"), space)
+    assert guard.called_from_an_answer(space["a_check"]()) is False
+
     import torch
 
     from course import context_parallel as cp
