@@ -155,6 +155,8 @@ def activation_coefficient(model: Model, seq: int = 64, head_dim: int = 8) -> fl
     import torch.nn.functional as F
     from torch import nn
 
+    from course.memory import saved_activation_bytes
+
     h, kv = model.heads * head_dim, model.kv_heads * head_dim
     f = round(model.ffn / model.hidden * h)
     norm = (lambda: nn.RMSNorm(h)) if model.norms else nn.Identity
@@ -163,19 +165,11 @@ def activation_coefficient(model: Model, seq: int = 64, head_dim: int = 8) -> fl
     q, k, v, o = linear(h, h), linear(h, kv), linear(h, kv), linear(h, h)
     mlp = [linear(h, f) for _ in range(model.ffn_matrices - 1)] + [linear(f, h)]
     x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
-    kept = {p.untyped_storage().data_ptr() for m in (n1, n2, q, k, v, o, *mlp) for p in m.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in kept:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
 
     def heads(t, n):
         return t.view(1, seq, n, head_dim).transpose(1, 2)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def block(x):
         y = n1(x)
         a = F.scaled_dot_product_attention(heads(q(y), model.heads), heads(k(y), model.kv_heads),
                                            heads(v(y), model.kv_heads), is_causal=True,
@@ -183,8 +177,10 @@ def activation_coefficient(model: Model, seq: int = 64, head_dim: int = 8) -> fl
         x = x + o(a.transpose(1, 2).reshape(1, seq, h))
         y = n2(x)
         hidden = F.silu(mlp[0](y)) * mlp[1](y) if model.ffn_matrices == 3 else F.gelu(mlp[0](y))
-        x + mlp[-1](hidden)
-    return sum(saved.values()) / (seq * h)
+        return x + mlp[-1](hidden)
+
+    saved, _ = saved_activation_bytes(block, nn.ModuleList([n1, n2, q, k, v, o, *mlp]), x)  # weights excluded
+    return saved / (seq * h)
 
 
 def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None) -> dict:
