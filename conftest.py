@@ -6,18 +6,18 @@ nbval runs every notebook it collects, one pytest item per code cell.
 * The student notebooks (notebooks/) have no stored outputs and only have to run without
   error, like ``--nbval-lax``. When the same session also runs the solution notebook,
   a student notebook's cells that the solution run already executed in the same state
-  are skipped (see ``course.notebooks.student_cells_to_run``): only the cells that
+  are skipped (see ``course.classroom.notebooks.student_cells_to_run``): only the cells that
   differ from the solution, depend on a stub, or feed such a cell run again.
 * Likewise a test marked ``repeats_solution_notebook`` (parametrized by a solution notebook's
   ``path``) is skipped when that notebook runs in the same session: it calls the notebook's
   checks on the notebook's answers, which the notebook does itself (nbval compares the ✅).
 * nbval compares a cell's text/plain outputs, not their text/markdown twins: a check's verdict,
-  ``hint()`` and ``solution()`` show as Markdown in Jupyter (``course.exercises``) and as the same
+  ``hint()`` and ``solution()`` show as Markdown in Jupyter (``course.classroom.exercises``) and as the same
   text in text/plain, which is compared (tests/test_feedback.py asserts the two say the same). So
   stored outputs made before or after the Markdown form existed compare equal.
 * tests/test_browser.py (JupyterLab in headless Chromium, about a minute) runs only when named
   (``pytest tests/test_browser.py``, as ``.ci/run`` does beside the main run), not in ``pytest``.
-* Tests of a judge's own reasons use the fixture ``judges_only`` (``course.guard`` off: their
+* Tests of a judge's own reasons use the fixture ``judges_only`` (``course.classroom.guard`` off: their
   wrong answers are the course's finished code with one thing changed).
 * A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
   with the CPU; tests/nbval_sanitize.cfg makes nbval compare it as ``~N``.
@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
         item.options["check"] = False  # lax: run, do not compare outputs
         if path.name in solutions_here:
             if path.name not in to_run:
-                from course.notebooks import student_cells_to_run
+                from course.classroom.notebooks import student_cells_to_run
 
                 solution = nbformat.read(SOLUTION_DIR / path.name, as_version=4)
                 to_run[path.name] = set(student_cells_to_run(solution, nbformat.read(path, as_version=4)))
@@ -84,14 +84,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def judges_only(monkeypatch):
-    """Every exercise without its course.guard: for tests of a judge's own reasons, whose wrong
+    """Every exercise without its course.classroom.guard: for tests of a judge's own reasons, whose wrong
     answers are the course's finished version with one thing changed (the guard would refuse
     them before the judge looks). tests/test_guard.py tries the guard itself."""
     import importlib
     import pkgutil
 
     import course.checks
-    from course.exercises import Exercise
+    from course.classroom.exercises import Exercise
 
     for info in pkgutil.iter_modules(course.checks.__path__):
         for obj in vars(importlib.import_module(f"course.checks.{info.name}")).values():

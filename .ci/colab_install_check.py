@@ -20,7 +20,7 @@ with tempfile.TemporaryDirectory() as tmp:
     os.chdir(tmp)  # nothing of the checkout is importable from here
     os.environ.pop("PYTHONPATH", None)
     where = subprocess.run(
-        [sys.executable, "-c", "import course, course.checks.nb02; from course.exercises import SOLUTIONS_FILE as f; "
+        [sys.executable, "-c", "import course, course.checks.nb02; from course.classroom.exercises import SOLUTIONS_FILE as f; "
          "print(course.__file__); print(f.is_file() and f.stat().st_size)"],
         check=True, capture_output=True, text=True,
     ).stdout.split()

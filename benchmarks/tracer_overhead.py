@@ -1,4 +1,4 @@
-"""How much does course.tracing slow down a DDP step? (A benchmark, not a test.)
+"""How much does course.observe.tracing slow down a DDP step? (A benchmark, not a test.)
 
     python benchmarks/tracer_overhead.py [--repeats 5] [--steps 30] [--warmup 5] [--quick]
 
@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import course  # noqa: E402
-from course import tracing  # noqa: E402,F401  (registers the "traced" backend)
+from course.observe import tracing  # noqa: E402,F401  (registers the "traced" backend)
 
 MODELS = {
     # name: (layer widths, bucket_cap_mb, batch)

@@ -24,17 +24,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.command in ("grade", "progress"):
-        from course import grading
+        from course.classroom import grading
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
         if args.command == "grade":
             return grading.grade(args.submissions, args.csv, limits, args.jobs)
         return grading.progress(args.notebooks, limits, args.jobs)
     if args.command == "doctor":
-        from course.doctor import doctor
+        from course.classroom.doctor import doctor
 
         return doctor()
-    from course.notebooks import build as build_notebooks
+    from course.classroom.notebooks import build as build_notebooks
 
     build_notebooks(args.names, run=not args.no_execute)
     return 0

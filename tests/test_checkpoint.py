@@ -1,4 +1,4 @@
-"""course.checkpoint: exact resume of a DDP job, atomic saves that survive a kill,
+"""course.training.checkpoint: exact resume of a DDP job, atomic saves that survive a kill,
 safe loading with clear errors for bad files."""
 
 import io
@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.crash import die_halfway  # torch.save that dies halfway
-from course.checkpoint import (
+from course.training.crash import die_halfway  # torch.save that dies halfway
+from course.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
     restore_rng,
@@ -30,8 +30,8 @@ from course.checkpoint import (
     training_state,
     unwrap,
 )
-from course.launcher import WorkerError, launch
-from course.notebooks import definitions
+from course.runtime.launcher import WorkerError, launch
+from course.classroom.notebooks import definitions
 
 
 def _model():
@@ -381,30 +381,30 @@ def test_notebook_derives_the_packages_atomic_save(name):
     """Notebook 07 derives atomic_save (Exercise 2) and fsync_folder; the course holds the same code."""
     import inspect
 
-    import course.checkpoint
-    from course.exercises import solutions
+    import course.training.checkpoint
+    from course.classroom.exercises import solutions
 
-    assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(course.checkpoint, name)).rstrip()
+    assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(course.training.checkpoint, name)).rstrip()
     if name == "atomic_save":  # what check.atomic_save.solution() shows is that code too
-        assert inspect.getsource(course.checkpoint.atomic_save).rstrip() in solutions()["07"]["atomic_save"]
+        assert inspect.getsource(course.training.checkpoint.atomic_save).rstrip() in solutions()["07"]["atomic_save"]
 
 
 def test_save_checkpoint_is_atomic_save_then_fsync_folder(tmp_path, monkeypatch):
     """save_checkpoint adds only a type check and a format tag to the notebook's two functions."""
-    import course.checkpoint
+    import course.training.checkpoint
 
     calls = []
-    monkeypatch.setattr(course.checkpoint, "atomic_save", lambda obj, path: calls.append(("atomic_save", obj, path)))
-    monkeypatch.setattr(course.checkpoint, "fsync_folder", lambda folder: calls.append(("fsync_folder", folder)))
+    monkeypatch.setattr(course.training.checkpoint, "atomic_save", lambda obj, path: calls.append(("atomic_save", obj, path)))
+    monkeypatch.setattr(course.training.checkpoint, "fsync_folder", lambda folder: calls.append(("fsync_folder", folder)))
     path = tmp_path / "sub" / "c.pt"
-    assert course.checkpoint.save_checkpoint({"step": 1}, str(path)) == path
-    assert calls == [("atomic_save", {"step": 1, "format": course.checkpoint.FORMAT}, path), ("fsync_folder", path.parent)]
+    assert course.training.checkpoint.save_checkpoint({"step": 1}, str(path)) == path
+    assert calls == [("atomic_save", {"step": 1, "format": course.training.checkpoint.FORMAT}, path), ("fsync_folder", path.parent)]
 
 
 def test_fsync_folder_fsyncs_the_folder_and_tolerates_what_cannot(tmp_path, monkeypatch):
     import stat
 
-    from course.checkpoint import fsync_folder
+    from course.training.checkpoint import fsync_folder
 
     synced = []
     real_fsync = os.fsync
@@ -425,7 +425,7 @@ def test_die_halfway_leaves_half_a_file(tmp_path):
     import io
 
     from course import WorkerError, launch
-    from course.crash import die_halfway
+    from course.training.crash import die_halfway
 
     def job(rank, world_size, path):
         torch.save = die_halfway(torch.save)

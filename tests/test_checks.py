@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course.exercises import Feedback, is_stub
-from course.notebooks import make_student, solution_paths
+from course.classroom.exercises import Feedback, is_stub
+from course.classroom.notebooks import make_student, solution_paths
 
 
 def _exercise_namespace(nb):
@@ -60,7 +60,7 @@ def _checks_of(path):
 def _skip_where_the_notebook_cannot_run(nb):
     """Notebooks 11-16 declare torch >= PART_II_TORCH in their first cell (require_torch): their
     answers and checks are tested on such a torch only, as the notebooks themselves are."""
-    from course.doctor import PART_II_TORCH, torch_at_least
+    from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
     declared = any("require_torch(PART_II_TORCH" in c.source for c in nb.cells if c.cell_type == "code")
     if declared and not torch_at_least(PART_II_TORCH):
@@ -106,8 +106,8 @@ def test_is_stub():
 
 
 def test_exercise_wrapper_names_feedback_and_handles_stubs_and_failed_ranks():
-    from course.exercises import correct, exercise, wrong
-    from course.launcher import launch
+    from course.classroom.exercises import correct, exercise, wrong
+    from course.runtime.launcher import launch
 
     def _fails(rank, world_size):
         raise ValueError(f"boom on {rank}")

@@ -154,25 +154,25 @@ def test_exercise_3_data_tells_the_mistakes_apart():
 
 
 def test_the_notebooks_net_and_transform_are_the_ones_course_train_uses():
-    """Notebook 03 derives Net and the transform; course/train.py holds the same code (one copy each,
+    """Notebook 03 derives Net and the transform; course/training/train.py holds the same code (one copy each,
     kept equal by this test). The notebook must not import them from the package."""
     import inspect
     import re
 
     import nbformat
 
-    import course.train
-    from course.notebooks import SOLUTIONS
+    import course.training.train
+    from course.classroom.notebooks import SOLUTIONS
 
     nb = nbformat.read(SOLUTIONS / "03_distributed_sampler.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
-    assert not any(re.search(r"course\.train|from course import train", src) for src in code)
+    assert not any(re.search(r"course\.training\.train|from course\.training import train", src) for src in code)
 
     net_cell = next(src for src in code if src.startswith("class Net(nn.Module):"))
     end = next((m.start() for m in re.finditer(r"^\S", net_cell, re.M) if m.start() > 0), len(net_cell))
-    assert net_cell[:end].strip() == inspect.getsource(course.train.Net).strip()
+    assert net_cell[:end].strip() == inspect.getsource(course.training.train.Net).strip()
 
     transform_line = next(line for src in code for line in src.splitlines() if line.startswith("transform = "))
     expression = transform_line.split("=", 1)[1].split("#")[0].strip()
     assert expression.startswith("T.Compose(")
-    assert f"return {expression}" in inspect.getsource(course.train)
+    assert f"return {expression}" in inspect.getsource(course.training.train)

@@ -9,7 +9,7 @@ from course.checks import nb08
 # ------------------------------------------------------------------ Exercise 1: two-node torchrun commands
 
 C10D = ["--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-id=job"]
-MODULE = ["-m", "course.train"]
+MODULE = ["-m", "course.training.train"]
 
 
 def _c10d(head, port):
@@ -18,17 +18,17 @@ def _c10d(head, port):
 
 def _static(head, port):
     return [["torchrun", "--nnodes=2", "--nproc-per-node=4", f"--node-rank={n}", f"--master-addr={head}",
-             f"--master-port={port}", "-m", "course.train"] for n in (0, 1)]
+             f"--master-port={port}", "-m", "course.training.train"] for n in (0, 1)]
 
 
 def _python_m_strings(head, port):  # strings, and python -m torch.distributed.run, are fine too
-    line = f"{sys.executable} -m torch.distributed.run " + " ".join(C10D) + f" --rdzv-endpoint={head}:{port} -m course.train"
+    line = f"{sys.executable} -m torch.distributed.run " + " ".join(C10D) + f" --rdzv-endpoint={head}:{port} -m course.training.train"
     return [line, line]
 
 
 def _static_endpoint_one_per_gpu(head, port):  # --rdzv-endpoint in place of --master-addr/--master-port
     return [["torchrun", "--nnodes=2", "--nproc-per-node=gpu", f"--node-rank={n}", f"--rdzv-endpoint={head}:{port}",
-             "-m", "course.train"] for n in (0, 1)]
+             "-m", "course.training.train"] for n in (0, 1)]
 
 
 @pytest.mark.parametrize("answer", [_c10d, _static, _python_m_strings, _static_endpoint_one_per_gpu])
@@ -67,7 +67,7 @@ def _hard_coded(head, port):  # the notebook's example command, whatever head an
 
 
 def _standalone(head, port):
-    return [["torchrun", "--standalone", "--nnodes=2", "--nproc-per-node=4", "-m", "course.train"]] * 2
+    return [["torchrun", "--standalone", "--nnodes=2", "--nproc-per-node=4", "-m", "course.training.train"]] * 2
 
 
 @pytest.mark.parametrize("answer, hint", [
@@ -81,10 +81,10 @@ def _standalone(head, port):
     (_static_ranks_swapped, "is --node-rank=0"),
     (_hard_coded, "port you were given"),
     (_standalone, "never meet"),
-    (lambda head, port: [["torchrun", "--nproc-per-node=4", "train.py"]] * 2, "-m course.train"),
+    (lambda head, port: [["torchrun", "--nproc-per-node=4", "train.py"]] * 2, "-m course.training.train"),
     (lambda head, port: [["torchrun", *C10D, *MODULE, f"--rdzv-endpoint={head}:{port}"]] * 2, "go before '-m"),
     (lambda head, port: [["python", "train.py"]] * 2, "start with 'torchrun'"),
-    (lambda head, port: [["torchrun", "--no-such-option", "-m", "course.train"]] * 2, "cannot read"),
+    (lambda head, port: [["torchrun", "--no-such-option", "-m", "course.training.train"]] * 2, "cannot read"),
     (lambda head, port: _c10d(head, port)[0], "list of 2 commands"),
 ])
 def test_two_node_commands_rejects_wrong_answers(answer, hint):

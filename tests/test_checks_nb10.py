@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import all_reduce  # as a notebook may import it: the check must see it too
 
-from course import collectives
+from course.parallel import collectives
 from course.checks import nb10
-from course.data_parallel import OverlapPerParameter, replicate, trainable
+from course.parallel.data_parallel import OverlapPerParameter, replicate, trainable
 
-# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = pytest.mark.usefixtures("judges_only")
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb11
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.fsdp import (
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.parallel.fsdp import (
     free_parameter,
     fully_shard_by_hand,
     gather_parameter,
@@ -16,9 +16,9 @@ from course.fsdp import (
     scaled_step,
     shard_parameters,
 )
-from course.zero import flat_padded, zero1_step
+from course.parallel.zero import flat_padded, zero1_step
 
-# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = pytest.mark.usefixtures("judges_only")
 
@@ -347,8 +347,8 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
         (_all_reduces_on_a_subgroup_unit, "saw no reduce-scatter of every trainable gradient"),
         (_sums_gathered_gradients_unit, "saw no reduce-scatter of every trainable gradient"),
         (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
-        (fully_shard_by_hand, "the course's own course.fsdp.fully_shard_by_hand"),
-        (_calls_the_course_version, "the course's own course.fsdp.fully_shard_by_hand"),
+        (fully_shard_by_hand, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
+        (_calls_the_course_version, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         pytest.param(_fsdp2, "that is PyTorch's FSDP2", marks=pytest.mark.skipif(
             not torch_at_least(PART_II_TORCH), reason="torch 2.8's fully_shard fails here before the check sees it")),
     ],

@@ -252,9 +252,9 @@ def test_row_parallel_rejects_communication_on_another_group(backward):
 
 
 def test_row_parallel_measures_backward_on_the_wire(monkeypatch):
-    """Even if the new group went unseen, course.wire sees its bytes; a right backward sends none."""
+    """Even if the new group went unseen, course.observe.wire sees its bytes; a right backward sends none."""
     if not nb12.wire.available():
-        pytest.skip("course.wire cannot read the sockets here")
+        pytest.skip("course.observe.wire cannot read the sockets here")
     monkeypatch.setattr(nb12.tracing, "process_groups", lambda: 1)
     feedback = nb12.row_parallel(_forward, _backward_all_reduces_on_a_new_group)
     assert feedback.status == "wrong" and "the tracer did not see" in feedback.message, feedback

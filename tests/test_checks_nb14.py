@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import context_parallel as cp
+from course.parallel import context_parallel as cp
 from course.checks import nb14
-from course.context_parallel import attend, merge, start_pass
+from course.parallel.context_parallel import attend, merge, start_pass
 
-# The judges' own reasons, with wrong answers built on the course's finished code: course.guard off
+# The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = pytest.mark.usefixtures("judges_only")
 

@@ -3,10 +3,10 @@
 import pytest
 
 from course.checks import nb16
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.planner import LLAMA3_8B, Config
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.parallel.planner import LLAMA3_8B, Config
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README); the planner's
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
 # activation coefficient is measured on this torch's kernels (torch 2.8's keep other tensors).
 pytestmark = pytest.mark.skipif(
     not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
@@ -68,7 +68,7 @@ def test_mesh_groups_accepts_a_solution_in_any_order():
         (_only_mine, "cover every rank exactly once"),
         (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
         (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
-        (__import__("course.parallel3d").parallel3d.mesh_groups, "course's own"),
+        (__import__("course.parallel.parallel3d").parallel3d.mesh_groups, "course's own"),
     ],
 )
 def test_mesh_groups_rejects_wrong_answers(answer, hint):

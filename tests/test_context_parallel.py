@@ -1,4 +1,4 @@
-"""course.context_parallel (notebook 14): ring attention computes full attention's output and
+"""course.parallel.context_parallel (notebook 14): ring attention computes full attention's output and
 the gradients of q, k and v on 1-4 ranks, with and without a causal mask, for sequence lengths
 that do not divide over the ranks, in both layouts; the zig-zag layout balances causal work;
 the forward sends (N-1) K/V chunks per rank; notebook 14 derives the package's code."""
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from course import context_parallel as cp
-from course import wire
-from course.launcher import launch
-from course.notebooks import SOLUTIONS, definitions
+from course.parallel import context_parallel as cp
+from course.observe import wire
+from course.runtime.launcher import launch
+from course.classroom.notebooks import SOLUTIONS, definitions
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
 LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
@@ -90,7 +90,7 @@ def _bytes_sent(rank, world_size, seq_len):
     return m.sent
 
 
-@pytest.mark.skipif(not wire.available(), reason="course.wire reads Linux's TCP counters")
+@pytest.mark.skipif(not wire.available(), reason="course.observe.wire reads Linux's TCP counters")
 def test_the_forward_sends_n_minus_1_kv_chunks_per_rank():
     world_size, seq_len, dim = 4, 64, 8
     sent = launch(_bytes_sent, world_size, seq_len, show=None)
@@ -140,5 +140,5 @@ def test_the_notebook_derives_the_package_code(name):
     derived = definitions(SOLUTIONS / "14_context_parallel.ipynb")
     assert name in derived, f"notebook 14 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(cp, name)).rstrip(), (
-        f"notebook 14's {name} differs from course/context_parallel.py: keep them identical"
+        f"notebook 14's {name} differs from course/parallel/context_parallel.py: keep them identical"
     )

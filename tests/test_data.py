@@ -1,4 +1,4 @@
-"""course.data: the synthetic CIFAR-10 round-trips through torchvision's loader, is
+"""course.training.data: the synthetic CIFAR-10 round-trips through torchvision's loader, is
 deterministic, and damaged or missing files give clear errors without anything being rewritten."""
 
 import pickle
@@ -11,8 +11,8 @@ from PIL import Image
 from torchvision.datasets import CIFAR10
 
 import course
-from course import data
-from course.data import FOLDER, MANIFEST, SyntheticCIFAR10, make_synthetic_cifar10
+from course.training import data
+from course.training.data import FOLDER, MANIFEST, SyntheticCIFAR10, make_synthetic_cifar10
 
 SMALL = {"n_train": 50, "n_test": 20}
 FILES = [*data.TRAIN_FILES, data.TEST_FILE, data.META_FILE]
@@ -219,7 +219,7 @@ def test_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_DATA", str(tmp_path))
     assert data.data_dir() == tmp_path
     monkeypatch.delenv("COURSE_DATA")
-    assert data.data_dir() == Path(data.__file__).resolve().parents[1] / "data"  # a checkout: git-ignored data/
+    assert data.data_dir() == Path(data.__file__).resolve().parents[2] / "data"  # a checkout: git-ignored data/
 
 
 # ------------------------------------------------------------------ several ranks

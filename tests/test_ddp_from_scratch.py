@@ -1,6 +1,6 @@
-"""course.collectives (naive and ring all-reduce, the ring's two halves) equals torch.distributed's
+"""course.parallel.collectives (naive and ring all-reduce, the ring's two halves) equals torch.distributed's
 collectives on uneven sizes and 2-4 ranks and sends the bytes the 2(N-1)/N law says;
-course.data_parallel's three from-scratch DPs give DDP's weights on a model with several buckets,
+course.parallel.data_parallel's three from-scratch DPs give DDP's weights on a model with several buckets,
 with unused parameters handled (find_unused_parameters=True) or rejected with a clear error, and are
 drop-ins for DDP (frozen parameters, tied weights, buffers, ranks initialised differently);
 and notebook 10 shows the same code as the package."""
@@ -14,8 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import WorkerError, collectives, data_parallel, launch, tracing
-from course.notebooks import SOLUTIONS, solution_code
+from course import WorkerError, launch
+from course.observe import tracing
+from course.parallel import collectives, data_parallel
+from course.classroom.notebooks import SOLUTIONS, solution_code
 
 SIZES = [0, 1, 2, 5, 12, 1001]
 

@@ -1,9 +1,9 @@
-"""course.distenv: every launcher's environment, without the launchers."""
+"""course.runtime.distenv: every launcher's environment, without the launchers."""
 
 import pytest
 
 from course import launch
-from course.distenv import DistEnv, NoLauncherError, discover, expand_nodelist
+from course.runtime.distenv import DistEnv, NoLauncherError, discover, expand_nodelist
 
 
 @pytest.mark.parametrize(

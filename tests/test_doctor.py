@@ -2,7 +2,8 @@
 
 import pytest
 
-from course import doctor, tracing
+from course.classroom import doctor
+from course.observe import tracing
 
 
 def test_doctor_passes_here_and_runs_a_traced_ddp_launch(capsys):
@@ -36,7 +37,7 @@ def test_a_traced_backend_that_cannot_be_built_fails_clearly(capsys, monkeypatch
     assert doctor.doctor() == 1
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "traced backend" in line)
-    assert line.startswith("[FAIL]") and "No constructor defined" in line and "cannot run course.tracing" in line
+    assert line.startswith("[FAIL]") and "No constructor defined" in line and "cannot run course.observe.tracing" in line
     assert "Python 3." in line and "see README.md, Supported versions" in line  # this torch is not too old
     assert out.rstrip().endswith("Something above failed: see README.md, Troubleshooting.")
 
@@ -51,7 +52,7 @@ def test_the_floor_is_read_from_the_installed_package_metadata():
 def test_require_torch_names_the_version_and_the_fix():
     import torch
 
-    from course.doctor import PART_II_TORCH, require_torch, torch_at_least
+    from course.classroom.doctor import PART_II_TORCH, require_torch, torch_at_least
 
     require_torch("2.0", "Notebook X")  # older than any supported torch: fine
     with pytest.raises(RuntimeError, match=r"Notebook X needs torch >= 99\.0.*pip install -U"):

@@ -1,4 +1,4 @@
-"""course.expert_parallel: the expert-parallel MoE layer equals the single-process one (outputs,
+"""course.parallel.expert_parallel: the expert-parallel MoE layer equals the single-process one (outputs,
 input, router and expert gradients) on 2-4 ranks, with dropped tokens and with a rank that
 receives no token; the capacity and the balancing loss do what their docstrings say; EP x DP
 with sync_gradients trains like one process, and averaging expert gradients over the EP group
@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import expert_parallel as ep
+from course.parallel import expert_parallel as ep
 from course import launch
 from course.checks import nb15
-from course.notebooks import SOLUTIONS, definitions
-from course.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.notebooks import SOLUTIONS, definitions
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
     not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
 )
@@ -232,5 +232,5 @@ def test_the_notebook_derives_the_package_code(name):
     derived = definitions(SOLUTIONS / "15_expert_parallel.ipynb")
     assert name in derived, f"notebook 15 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(ep, name)).rstrip(), (
-        f"notebook 15's {name} differs from course/expert_parallel.py: keep them identical"
+        f"notebook 15's {name} differs from course/parallel/expert_parallel.py: keep them identical"
     )

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import course.checks
-from course.exercises import Exercise, Feedback, correct, exercise, markdown, solutions, wrong
-from course.launcher import launch
+from course.classroom.exercises import Exercise, Feedback, correct, exercise, markdown, solutions, wrong
+from course.runtime.launcher import launch
 
 mistune = pytest.importorskip("mistune")  # nbconvert's Markdown parser (jupyterlab brings it)
 
@@ -143,7 +143,7 @@ def test_wrong_and_correct_unchanged():
 
 
 def test_worker_error_carries_the_whole_reason_and_the_callers_line():
-    from course.worker import WorkerError
+    from course.runtime.worker import WorkerError
 
     with pytest.raises(WorkerError) as caught:
         launch(_passes_a_list, 2, show=None, timeout=30)

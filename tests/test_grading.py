@@ -25,9 +25,9 @@ import sys
 import nbformat
 import pytest
 
-from course import grading
+from course.classroom import grading
 from course.__main__ import main
-from course.notebooks import ROOT
+from course.classroom.notebooks import ROOT
 
 STUDENT = nbformat.read(ROOT / "notebooks" / "01_single_device.ipynb", as_version=4)
 SOLUTION = nbformat.read(ROOT / "solutions" / "01_single_device.ipynb", as_version=4)
@@ -100,9 +100,9 @@ def graded_01(tmp_path_factory):
     assert set(solved) == {"c06", "c09", "20e8e459"}
     fake_check = ("class AlwaysRight:\n    def __getattr__(self, name):\n        return lambda *answers: '✅ correct!'\n\n"
                   "check = AlwaysRight()")
-    patch_course = ("import course.exercises, course.checks.nb01\n"
-                    "course.exercises.Exercise.__call__ = lambda self, *a, **k: course.exercises.correct()\n"
-                    "course.exercises.is_stub = lambda answer: False\n"
+    patch_course = ("import course.classroom.exercises, course.checks.nb01\n"
+                    "course.classroom.exercises.Exercise.__call__ = lambda self, *a, **k: course.classroom.exercises.correct()\n"
+                    "course.classroom.exercises.is_stub = lambda answer: False\n"
                     "course.checks.nb01.wrong = course.checks.nb01.correct")
     write(folder, "solved", student_01(solved))
     write(folder, "untouched", STUDENT)
@@ -171,15 +171,15 @@ WRONG_14 = {
            "    slices = torch.arange(seq_len).tensor_split(2 * world_size)\n"
            "    return [torch.cat([slices[r], slices[r + world_size]]) for r in range(world_size)]",
 }
-TAMPER_14 = ("import dataclasses, course.exercises\n"  # in Jupyter, every check cell below then prints ✅
-             "course.exercises.Exercise.__call__ = lambda self, *answers, **options: "
-             "dataclasses.replace(course.exercises.correct(), exercise=self.name)")
+TAMPER_14 = ("import dataclasses, course.classroom.exercises\n"  # in Jupyter, every check cell below then prints ✅
+             "course.classroom.exercises.Exercise.__call__ = lambda self, *answers, **options: "
+             "dataclasses.replace(course.classroom.exercises.correct(), exercise=self.name)")
 
 
 @pytest.fixture(scope="module")
 def graded_14(tmp_path_factory):
-    from course.doctor import PART_II_TORCH, torch_at_least
-    from course.exercises import solutions
+    from course.classroom.doctor import PART_II_TORCH, torch_at_least
+    from course.classroom.exercises import solutions
 
     if not torch_at_least(PART_II_TORCH):
         pytest.skip(f"notebook 14 needs torch >= {PART_II_TORCH}")
@@ -338,8 +338,8 @@ def test_which_notebook_a_file_is():
 def test_answers_json_is_what_the_build_writes_and_names_every_exercise():
     import importlib
 
-    from course.exercises import Exercise
-    from course.notebooks import all_exercise_answers
+    from course.classroom.exercises import Exercise
+    from course.classroom.notebooks import all_exercise_answers
 
     table = grading.exercise_table()
     assert table == all_exercise_answers(), "course/checks/answers.json is stale: run `python -m course build --no-execute`"
@@ -358,7 +358,7 @@ def test_answers_are_taken_after_the_exercise_not_at_the_end():
     points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
     at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
     assert "\ncheck.zero1_step(zero1_step)" in nb.cells[at].source
-    later = [i for i, c in enumerate(nb.cells) if "from course.zero import zero1_step" in c.source]
+    later = [i for i, c in enumerate(nb.cells) if "from course.parallel.zero import zero1_step" in c.source]
     assert later and at < later[0]
     nb.cells = [c for c in nb.cells if "check.zero1_step(" not in c.source]  # deleted: after its answer cell
     points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
@@ -375,7 +375,7 @@ def test_calls_on_check_are_left_out():
 
 
 def test_a_check_call_must_pass_its_answers_by_name():
-    from course.notebooks import exercise_answers
+    from course.classroom.notebooks import exercise_answers
 
     nb = small("check.weight_grad(weight_grad)", "check.chunk_loss(lambda *a: 0)")
     with pytest.raises(ValueError, match="pass the answers by name only"):

@@ -1,4 +1,4 @@
-"""course.guard: an exercise's check refuses the course's own finished version of the answer, in
+"""course.classroom.guard: an exercise's check refuses the course's own finished version of the answer, in
 every form a student might hand it in (itself, a wrapper that calls it through its module or an
 imported name, a partial, a subclass, a default value), on every start method, and still lets
 the check use it; every exercise whose answer the package holds says so."""
@@ -13,9 +13,9 @@ import pytest
 
 import course
 import course.checks
-from course import guard
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.exercises import Exercise, solutions
+from course.classroom import guard
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.exercises import Exercise, solutions
 
 
 def _exercises():
@@ -92,7 +92,7 @@ def _notebook(source):
 
 def test_forms_that_hold_it_are_refused_at_once():
     from course.checks import nb14
-    from course.context_parallel import merge
+    from course.parallel.context_parallel import merge
 
     def with_default(*args, f=merge):
         return f(*args)
@@ -107,7 +107,7 @@ def test_forms_that_hold_it_are_refused_at_once():
         return sorted(args)  # says it wraps merge (functools.wraps): taken at its word
 
     for answer in (functools.partial(merge), with_default, closure(), wrapped):
-        assert "course.context_parallel.merge" in guard.refused(answer, nb14.merge.finished), answer
+        assert "course.parallel.context_parallel.merge" in guard.refused(answer, nb14.merge.finished), answer
     assert guard.refused(lambda *args: args, nb14.merge.finished) is None
 
 
@@ -119,24 +119,24 @@ def test_forms_that_hold_it_are_refused_at_once():
     "def answer(*a):\n    return cp.merge.__get__(object()).__func__(*a)",
     "import concurrent.futures as cf\npool = cf.ThreadPoolExecutor(1)\n"
     "def answer(*a):\n    return pool.submit(cp.merge, *a).result()",  # in a thread of the answer's
-    "def answer(*a):\n    return getattr(__import__('importlib').import_module('course.context_parallel'), 'merge')(*a)",
+    "def answer(*a):\n    return getattr(__import__('importlib').import_module('course.parallel.context_parallel'), 'merge')(*a)",
 ])
 def test_references_kept_anywhere_reach_the_guard(source):
     from course.checks import nb14
 
-    answer = _notebook("import course.context_parallel as cp\n" + source)["answer"]
+    answer = _notebook("import course.parallel.context_parallel as cp\n" + source)["answer"]
     feedback = nb14.merge(answer)
-    assert feedback.status == "wrong" and "course.context_parallel.merge" in feedback.message, feedback
+    assert feedback.status == "wrong" and "course.parallel.context_parallel.merge" in feedback.message, feedback
 
 
 def test_the_halves_of_the_ring_are_refused_too():
-    """course.collectives.ring_all_reduce is its two halves, printed in notebook 10 after the exercise."""
+    """course.parallel.collectives.ring_all_reduce is its two halves, printed in notebook 10 after the exercise."""
     from course.checks import nb10
 
-    answer = _notebook("from course import collectives as c\ndef ring(t):\n    c.ring_reduce_scatter(t)\n"
+    answer = _notebook("from course.parallel import collectives as c\ndef ring(t):\n    c.ring_reduce_scatter(t)\n"
                        "    c.ring_all_gather(t)\n    return t")["ring"]
     feedback = nb10.ring_all_reduce(answer)
-    assert feedback.status == "wrong" and "course.collectives.ring_reduce_scatter" in feedback.message, feedback
+    assert feedback.status == "wrong" and "course.parallel.collectives.ring_reduce_scatter" in feedback.message, feedback
 
 
 @pytest.mark.parametrize("source", [
@@ -151,9 +151,9 @@ def test_the_halves_of_the_ring_are_refused_too():
 def test_a_class_that_borrows_its_parts_is_refused(source):
     from course.checks import nb10
 
-    answer = _notebook("from course.data_parallel import OverlapPerParameter\n" + source)["Mine"]
+    answer = _notebook("from course.parallel.data_parallel import OverlapPerParameter\n" + source)["Mine"]
     feedback = nb10.overlap_per_parameter(answer)
-    assert feedback.status == "wrong" and "course.data_parallel.OverlapPerParameter" in feedback.message, feedback
+    assert feedback.status == "wrong" and "course.parallel.data_parallel.OverlapPerParameter" in feedback.message, feedback
 
 
 @pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 14 needs torch >= {PART_II_TORCH}")
@@ -164,11 +164,11 @@ def test_ranks_that_are_not_forks_guard_it_too(monkeypatch, start_method):
     from course.checks import nb14
 
     monkeypatch.setenv("COURSE_START_METHOD", start_method)
-    for answer in (_through_the_module("course.context_parallel.ring_forward"),
-                   _notebook("import course.context_parallel as cp\nfns = [cp.ring_forward]\n"
+    for answer in (_through_the_module("course.parallel.context_parallel.ring_forward"),
+                   _notebook("import course.parallel.context_parallel as cp\nfns = [cp.ring_forward]\n"
                              "def answer(*a, **k):\n    return fns[0](*a, **k)")["answer"]):
         feedback = nb14.ring_forward(answer)
-        assert feedback.status == "wrong" and "course.context_parallel.ring_forward" in feedback.message, feedback
+        assert feedback.status == "wrong" and "course.parallel.context_parallel.ring_forward" in feedback.message, feedback
 
 
 def _frame(source, filename, space):
@@ -207,15 +207,15 @@ def test_who_may_call_it(tmp_path):
 
     import torch
 
-    from course import context_parallel as cp
+    from course.parallel import context_parallel as cp
 
     x, lse = torch.zeros(2, 3), torch.zeros(2)
-    with guard.guarding(["course.context_parallel.merge"]):
-        assert guard.active() == ("course.context_parallel.merge",)
+    with guard.guarding(["course.parallel.context_parallel.merge"]):
+        assert guard.active() == ("course.parallel.context_parallel.merge",)
         assert not hasattr(cp.merge, "__wrapped__")  # nothing hands the original out
         out, merged = guard.original(cp.merge)(x, lse, x, lse)  # a check's own reference
         assert torch.equal(merged, torch.full((2,), 0.6931471805599453))  # log 2: it ran
-        with pytest.raises(guard.FinishedVersionUsed, match="course.context_parallel.merge"):
+        with pytest.raises(guard.FinishedVersionUsed, match="course.parallel.context_parallel.merge"):
             cp.merge(x, lse, x, lse)  # from this test: the student's code
     assert guard.active() == () and guard.original(cp.merge) is cp.merge
     assert torch.equal(cp.merge(x, lse, x, lse)[1], merged)
@@ -224,8 +224,8 @@ def test_who_may_call_it(tmp_path):
 def _names_the_package_holds():
     """(notebook, exercise, name) for each function or class an exercise's solution defines that a
     course module defines too."""
-    modules = [importlib.import_module(f"course.{m.name}") for m in pkgutil.iter_modules(course.__path__)
-               if m.name not in ("checks", "__main__")]
+    modules = [importlib.import_module(m.name) for m in pkgutil.walk_packages(course.__path__, "course.")
+               if not m.ispkg and not m.name.startswith(("course.checks.", "course.__main__"))]
     for notebook, exercises in solutions().items():
         for exercise, code in exercises.items():
             for node in ast.parse(code).body:
@@ -236,7 +236,7 @@ def _names_the_package_holds():
                             yield notebook, exercise, f"{module.__name__}.{node.name}"
 
 
-UNRELATED = {"course.collectives.bytes_sent"}  # a byte counter of notebook 10, not 15's bytes_sent
+UNRELATED = {"course.parallel.collectives.bytes_sent"}  # a byte counter of notebook 10, not 15's bytes_sent
 
 
 def test_every_exercise_whose_answer_the_package_holds_guards_it():

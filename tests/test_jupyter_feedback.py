@@ -136,7 +136,7 @@ def test_a_failing_rank_in_a_check_names_the_cell_line_and_renders_as_markdown(k
 def test_nbval_compares_a_verdicts_plain_text_not_its_markdown(tmp_path):
     """A stored verdict made before verdicts had a Markdown form (text/plain only, as every solution
     notebook's) still compares equal; a different plain text still fails."""
-    source = "from course.exercises import Feedback\nFeedback('Exercise 1 (x)', 'correct', 'the *same* weights')"
+    source = "from course.classroom.exercises import Feedback\nFeedback('Exercise 1 (x)', 'correct', 'the *same* weights')"
     for plain, passes in (("✅ Exercise 1 (x): the *same* weights", True), ("✅ Exercise 1 (x): other", False)):
         cell = nbformat.v4.new_code_cell(source, execution_count=1, outputs=[
             nbformat.v4.new_output("execute_result", {"text/plain": plain}, execution_count=1)])

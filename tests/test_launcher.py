@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import course
 from course import WorkerError, WorkerTimeoutError, launch
-from course.launcher import choose_start_method, default_start_method
-from course.worker import pack
+from course.runtime.launcher import choose_start_method, default_start_method
+from course.runtime.worker import pack
 
 ROOT = Path(__file__).resolve().parents[1]
 

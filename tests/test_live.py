@@ -34,7 +34,7 @@ def job(rank, world_size):
 print(course.launch(job, 2, timeout=180))
 """
 # The ranks wait after their first line until the test has seen it in the live display (shown from
-# 0.5 s on, refreshed every 0.25 s: course.live.SHOW_AFTER and TICK), so the line provably arrived
+# 0.5 s on, refreshed every 0.25 s: course.runtime.live.SHOW_AFTER and TICK), so the line provably arrived
 # while the launch still ran. In nbval's re-run the go file already exists: the same output, at once.
 
 
@@ -90,7 +90,7 @@ def test_an_interrupt_while_a_line_is_being_shown_still_empties_the_display(tmp_
     """Kernel > Interrupt can land inside ``update()``, after its message went out (seen once in CI:
     the replay followed a display that still showed the ranks' lines). ``close()`` must empty it."""
     import IPython.display
-    from course import live
+    from course.runtime import live
 
     class Handle:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""course.mpi: ranks started by a real mpirun, talking gloo (or the traced backend).
+"""course.runtime.mpi: ranks started by a real mpirun, talking gloo (or the traced backend).
 
 The tests that need mpirun use the one `pip install mpich` puts next to Python (the
 course's dev extra installs it on Linux and macOS) or any mpirun on PATH, and are
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import course
-from course import mpi
+from course.runtime import mpi
 
 
 @pytest.fixture(scope="module")
@@ -119,5 +119,5 @@ def test_a_failing_rank_under_mpirun_raises_worker_error_naming_it(mpirun):
 
 def test_the_rank_entry_point_outside_mpirun_exits_with_a_message(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    proc = subprocess.run([sys.executable, "-m", "course.mpi", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "course.runtime.mpi", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "Not started by mpirun" in proc.stderr

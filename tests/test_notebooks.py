@@ -6,8 +6,8 @@ import re
 import nbformat
 import pytest
 
-from course import notebooks
-from course.notebooks import STUDENT, SOLUTIONS, make_student, set_header, student_source
+from course.classroom import notebooks
+from course.classroom.notebooks import STUDENT, SOLUTIONS, make_student, set_header, student_source
 
 SOLUTION_PATHS = notebooks.solution_paths()
 NAMES = [p.name for p in SOLUTION_PATHS]
@@ -144,7 +144,7 @@ def test_cells_tagged_solution_are_dropped():
 
 
 def test_stored_solutions_are_what_the_build_writes():
-    from course.exercises import SOLUTIONS_FILE
+    from course.classroom.exercises import SOLUTIONS_FILE
 
     stored = json.loads(SOLUTIONS_FILE.read_text(encoding="utf-8"))
     assert stored == notebooks.all_solutions(), "course/checks/solutions.json is stale: run `python -m course build --no-execute`"
@@ -251,7 +251,7 @@ def test_a_trailing_newline_does_not_make_a_cell_differ():
 
 
 def test_definitions_are_the_code_a_student_sees_with_decorators_and_without_markers(tmp_path):
-    from course.notebooks import definitions
+    from course.classroom.notebooks import definitions
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [

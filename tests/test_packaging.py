@@ -96,12 +96,12 @@ def test_the_oldest_pair_ci_tests_is_exactly_the_floor_pyproject_declares():
 
 
 def _needs_torchvision_or_part_two(notebook):
-    """True if a student notebook's code uses torchvision (directly, or through course.data or course.train,
+    """True if a student notebook's code uses torchvision (directly, or through course.training.data or course.training.train,
     which load CIFAR-10 with it) or is one of the notebooks that declare torch >= PART_II_TORCH (11-13)."""
     cells = json.loads(notebook.read_text())["cells"]
     code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("#", "%pip")))
-    return int(notebook.name[:2]) >= 11 or re.search(r"torchvision|course\.data|course\.train|-m course\.train", code)
+    return int(notebook.name[:2]) >= 11 or re.search(r"torchvision|course\.training\.(data|train)\b|from course\.training import .*\b(data|train)\b", code)
 
 
 def test_the_no_nccl_ci_runs_every_notebook_that_a_cpu_only_torch_can():
@@ -119,7 +119,7 @@ def test_the_no_nccl_ci_runs_every_notebook_that_a_cpu_only_torch_can():
 
 
 def test_the_colab_links_come_from_the_repository_url_in_pyproject():
-    from course import notebooks
+    from course.classroom import notebooks
 
     url = _pyproject()["urls"]["Repository"]
     assert notebooks.repository_url() == url and notebooks.REPO == url.removeprefix("https://github.com/")
@@ -139,7 +139,7 @@ def test_the_colab_links_come_from_the_repository_url_in_pyproject():
     ],
 )
 def test_a_fork_changes_one_line(tmp_path, line, expected):
-    from course import notebooks
+    from course.classroom import notebooks
 
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(f'[project]\nname = "ddp-course"\n\n[project.urls]\n{line}\n')

@@ -1,5 +1,5 @@
-"""course.parallel3d (notebook 16): 3-D parallel training equals one process on several grids, the
-mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what course.planner's
+"""course.parallel.parallel3d (notebook 16): 3-D parallel training equals one process on several grids, the
+mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what course.parallel.planner's
 laws plus gloo's per-message headers predict, and notebook 16 shows the package's code."""
 
 import inspect
@@ -7,11 +7,12 @@ import inspect
 import pytest
 import torch.distributed as dist
 
-from course import launch, parallel3d, planner
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.notebooks import SOLUTIONS, definitions
+from course import launch
+from course.parallel import parallel3d, planner
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.notebooks import SOLUTIONS, definitions
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
     not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
 )

@@ -1,4 +1,4 @@
-"""course.pipeline (notebook 13): hand-written GPipe and 1F1B compute one process's gradients,
+"""course.parallel.pipeline (notebook 13): hand-written GPipe and 1F1B compute one process's gradients,
 torch.distributed.pipelining runs the same schedules with the same gradients, and the bubble
 falls as the number of micro-batches grows."""
 
@@ -12,13 +12,13 @@ from torch import nn
 # Imported here (it imports torch._dynamo and torch._inductor) so that forked ranks inherit it.
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
-from course import pipeline as cp
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.launcher import launch
-from course.notebooks import SOLUTIONS
+from course.parallel import pipeline as cp
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.runtime.launcher import launch
+from course.classroom.notebooks import SOLUTIONS
 
 # Measured on torch 2.8: these fail there (the library's schedules and tracer changed since); the
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
     not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
 )
@@ -62,7 +62,7 @@ def test_the_notebook_derives_the_package_code():
     for fn in (cp.gpipe_order, cp.run_stage):
         source = inspect.getsource(fn).rstrip()
         assert any(cell == source or cell.startswith(source + "\n\n\n") for cell in cells), (
-            f"notebook 13's {fn.__name__} differs from course/pipeline.py"
+            f"notebook 13's {fn.__name__} differs from course/parallel/pipeline.py"
         )
 
 

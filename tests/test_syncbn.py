@@ -1,4 +1,4 @@
-"""course.syncbn.SyncBatchNorm: N ranks compute what one BatchNorm computes on the concatenated
+"""course.parallel.syncbn.SyncBatchNorm: N ranks compute what one BatchNorm computes on the concatenated
 batch (forward, input/weight/bias gradients, running statistics, eval), with uneven and empty
 ranks; `convert`; and DDP training that matches single-process large-batch training."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course import launch
-from course.syncbn import SyncBatchNorm
+from course.parallel.syncbn import SyncBatchNorm
 
 CHANNELS = 3
 TIGHT = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}
@@ -302,7 +302,7 @@ def test_ddp_with_converted_model_matches_single_process_large_batch_training():
 
 
 def _notebook_and_package(rank, world_size, code, batches):
-    from course import syncbn
+    from course.parallel import syncbn
 
     namespace = {"torch": torch, "dist": dist, "nn": nn}
     exec(code, namespace)  # notebook 06's solution of Exercise 1
@@ -313,8 +313,8 @@ def _notebook_and_package(rank, world_size, code, batches):
 
 
 def test_package_global_mean_var_is_the_notebooks():
-    """Notebook 06's Exercise 1 derives global_mean_var; course.syncbn's is the same computation."""
-    from course.exercises import solutions
+    """Notebook 06's Exercise 1 derives global_mean_var; course.parallel.syncbn's is the same computation."""
+    from course.classroom.exercises import solutions
 
     g = torch.Generator().manual_seed(0)
     for dtype, shift in ((torch.float64, 0.0), (torch.float32, 10_000.0)):

@@ -1,4 +1,4 @@
-"""course.tensor_parallel: the hand-written column-, row-parallel and Megatron layers compute
+"""course.parallel.tensor_parallel: the hand-written column-, row-parallel and Megatron layers compute
 what the unsplit layers compute (outputs, input gradients, parameter gradients) on 2 and 4
 ranks; DTensor's ColwiseParallel/RowwiseParallel equals the hand-written MLP; a 2×2 mesh
 (data × tensor parallel) trains like one process; notebook 12 derives the package's code."""
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course import launch
-from course import tensor_parallel as tp
-from course import tracing
-from course.notebooks import SOLUTIONS, definitions
+from course.parallel import tensor_parallel as tp
+from course.observe import tracing
+from course.classroom.notebooks import SOLUTIONS, definitions
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
 DIM, HIDDEN, HEADS, SEQ = 8, 16, 4, 5
@@ -218,5 +218,5 @@ def test_the_notebook_derives_the_package_code(name):
     derived = definitions(SOLUTIONS / "12_tensor_parallel.ipynb")
     assert name in derived, f"notebook 12 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(tp, name)).rstrip(), (
-        f"notebook 12's {name} differs from course/tensor_parallel.py: keep them identical"
+        f"notebook 12's {name} differs from course/parallel/tensor_parallel.py: keep them identical"
     )

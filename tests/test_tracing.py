@@ -1,4 +1,4 @@
-"""course.tracing: it sees every collective (DDP's C++ ones too), counts bytes right,
+"""course.observe.tracing: it sees every collective (DDP's C++ ones too), counts bytes right,
 agrees with torch.profiler, and changes nothing about the results."""
 
 import time
@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course
-from course import tracing
+from course.observe import tracing
 
 
 def _mlp(hidden=64, dtype=torch.float32):

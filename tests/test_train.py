@@ -1,9 +1,9 @@
-"""course.train: one script under every launcher (torchrun, two torchrun agents, Slurm, mpirun,
+"""course.training.train: one script under every launcher (torchrun, two torchrun agents, Slurm, mpirun,
 course.launch), elastic restarts that resume exactly, and failure reports.
 
 Every run trains the same 24 steps on 2 ranks, so every launcher must end with the same weights,
 bit for bit, as the run under course.launch (the ``reference`` fixture). Every command runs
-through course.proctree with a timeout, and nothing it started may be left afterwards.
+through course.runtime.proctree with a timeout, and nothing it started may be left afterwards.
 """
 
 import os
@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import course.train
-from course import proctree
-from course.checkpoint import load_checkpoint
-from course.launcher import WorkerError, launch
+import course.training.train
+from course.runtime import proctree
+from course.training.checkpoint import load_checkpoint
+from course.runtime.launcher import WorkerError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["--steps", "24", "--batch-size", "64", "--save-every", "8", "--log-every", "8"]
@@ -57,7 +57,7 @@ def clean_env(**extra):
 
 
 def torchrun(*options):
-    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "course.train", *TRAIN]
+    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "course.training.train", *TRAIN]
 
 
 def weights(path):
@@ -91,7 +91,7 @@ def nothing_left_behind(tmp_path):
 
 
 def _main(rank, world_size, argv):
-    return course.train.main(argv)
+    return course.training.train.main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_without_a_launcher_it_says_how_to_start_it(tmp_path, monkeypatch):
     for name in [k for k in os.environ if LAUNCHER_VARIABLES.match(k)]:
         monkeypatch.delenv(name)
     with pytest.raises(SystemExit) as exit:  # sys.exit("error: ..."): Python prints it, no traceback
-        course.train.main(["--out", str(tmp_path / "w.pt")])
+        course.training.train.main(["--out", str(tmp_path / "w.pt")])
     assert str(exit.value.code).startswith("error: No launcher environment found") and "torchrun" in str(exit.value.code)
     assert not (tmp_path / "w.pt").exists()
 
@@ -117,7 +117,7 @@ def test_without_a_launcher_it_says_how_to_start_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--save-every", "-1"], ["--crash-how", "explode"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
-        course.train.parse_args(argv)
+        course.training.train.parse_args(argv)
     assert "error" in capsys.readouterr().err
 
 
@@ -140,7 +140,7 @@ def fake_init(monkeypatch):
 
 
 def test_setup_from_a_slurm_environment_with_a_compressed_node_list(fake_init):
-    env, device = course.train.setup(timeout=30, environ=SLURM_4_NODES)
+    env, device = course.training.train.setup(timeout=30, environ=SLURM_4_NODES)
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.node_rank) == ("slurm", 13, 16, 1, 3)
     assert device == torch.device("cpu") or torch.cuda.is_available()
     (args, kwargs), = fake_init
@@ -158,7 +158,7 @@ def test_setup_picks_nccl_and_this_ranks_gpu_when_every_local_rank_has_one(fake_
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
-        env, device = course.train.setup(environ=SLURM_4_NODES)
+        env, device = course.training.train.setup(environ=SLURM_4_NODES)
         assert torch.are_deterministic_algorithms_enabled()  # exact resume on a GPU needs it
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
@@ -178,7 +178,7 @@ def test_choose_device(monkeypatch, available, count, local_world_size, expected
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    backend, device = course.train.choose_device(1, local_world_size)
+    backend, device = course.training.train.choose_device(1, local_world_size)
     assert (backend, str(device)) == expected
 
 
@@ -277,7 +277,7 @@ def test_a_killed_rank_has_no_traceback_to_report(failing_jobs):
     # What torchrun's report says for such a rank (it prints one only when it gives up):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    report = ChildFailedError("course.train", {1: ProcessFailure(1, 4242, -9, str(folder / "no-such-file.json"))})
+    report = ChildFailedError("course.training.train", {1: ProcessFailure(1, 4242, -9, str(folder / "no-such-file.json"))})
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9", report.format_msg())
     assert "Signal 9 (SIGKILL) received by PID 4242" in report.format_msg()
 
@@ -294,7 +294,7 @@ def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(failing_job
     results, folder = failing_jobs["record"]
     node1 = results[1]  # the agent of rank 1 (static rendezvous: --node-rank=1)
     assert not node1.timed_out and node1.returncode == 1, node1.output[-3000:]
-    report = node1.output[node1.output.index("course.train FAILED"):]
+    report = node1.output[node1.output.index("course.training.train FAILED"):]
     failures = re.split(r"\n\[\d+\]:\n", report)[1:]  # one section per failed rank
     crashed = [f for f in failures if re.search(r"rank\s*: 1 \(local_rank: 0\)", f)]
     assert len(crashed) == 1
@@ -354,7 +354,7 @@ def slurm_and_mpi_jobs(tmp_path_factory):
         else:  # MPICH's Hydra passes the whole environment on
             flags = []
         commands["mpi"] = ["env", f"MASTER_PORT={mpi_port}", mpirun, *flags, "-n", "2", sys.executable,
-                           "-m", "course.train", *TRAIN, "--out", base / "mpi.pt"]
+                           "-m", "course.training.train", *TRAIN, "--out", base / "mpi.pt"]
     results = run_jobs(commands, base)
     return results, base
 
@@ -383,7 +383,7 @@ def test_mpirun(slurm_and_mpi_jobs, reference):
     assert same(weights(folder / "mpi.pt"), reference)
 
 
-# ------------------------------------------------------------------ course.proctree
+# ------------------------------------------------------------------ course.runtime.proctree
 
 
 def _sleeper(tmp_path):
@@ -437,16 +437,16 @@ def test_proctree_stops_a_process_whose_parent_had_already_exited(tmp_path):
 
 
 def test_proctree_stops_what_a_run_inside_the_command_started(tmp_path):
-    """The command itself runs a command with course.proctree, and is killed before it can stop it."""
+    """The command itself runs a command with course.runtime.proctree, and is killed before it can stop it."""
     child = _sleeper(tmp_path)
-    parent = f"from course import proctree; import sys; proctree.run([sys.executable, '-c', {child!r}], timeout=600)"
+    parent = f"from course.runtime import proctree; import sys; proctree.run([sys.executable, '-c', {child!r}], timeout=600)"
     result = proctree.run([sys.executable, "-c", parent, str(tmp_path)], timeout=4, env=clean_env())
     assert result.timed_out and (tmp_path / "started").exists()  # nothing_left_behind checks the child is gone
 
 
 def test_proctree_marks_what_it_starts_and_a_run_inside_a_run_keeps_the_outer_mark(tmp_path):
     show = "import os; print(os.environ['COURSE_PROCTREE'])"
-    inner = (f"from course import proctree; import os, sys; "  # an explicit env without the outer mark
+    inner = (f"from course.runtime import proctree; import os, sys; "  # an explicit env without the outer mark
              f"print(proctree.run([sys.executable, '-c', {show!r}], 60, env={{'PATH': os.environ['PATH']}}).output)")
     outer = proctree.run([sys.executable, "-c", inner, str(tmp_path)], timeout=60, env=clean_env())
     marks = outer.output.split()

@@ -1,4 +1,4 @@
-"""course.wire measures the bytes a rank really sends and receives (Linux's TCP_INFO counters):
+"""course.observe.wire measures the bytes a rank really sends and receives (Linux's TCP_INFO counters):
 the course's own ring sends what its counter says it sends, gloo's collectives send what they send
 (not what a ring law says), nothing sent reads as zero, and other systems get a clear error."""
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import collectives, launch, wire
+from course import launch
+from course.observe import wire
+from course.parallel import collectives
 
-pytestmark = pytest.mark.skipif(not wire.available(), reason="course.wire reads Linux's /proc and TCP_INFO")
+pytestmark = pytest.mark.skipif(not wire.available(), reason="course.observe.wire reads Linux's /proc and TCP_INFO")
 
 N = 250_000  # float32 elements: 1 MB
 

@@ -1,4 +1,4 @@
-"""course.worker: the protocol every launcher shares, the noise filter, and how course/ is put together."""
+"""course.runtime.worker: the protocol every launcher shares, the noise filter, and how course/ is put together."""
 
 import ast
 import os
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course import launch, worker
-from course.worker import NoiseFilter, Report, WorkerError, collect
+from course import launch
+from course.runtime import worker
+from course.runtime.worker import NoiseFilter, Report, WorkerError, collect
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
@@ -113,6 +114,6 @@ def test_no_module_imports_another_modules_private_names(path):
 
 
 def test_distenv_reads_the_environment_without_importing_torch():
-    code = "import sys, course.distenv; print('torch' in sys.modules)"
+    code = "import sys, course.runtime.distenv; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

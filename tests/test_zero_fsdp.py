@@ -15,18 +15,18 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import course.fsdp
-import course.memory
-import course.zero
+import course.parallel.fsdp
+import course.observe.memory
+import course.parallel.zero
 from course import launch
-from course.doctor import PART_II_TORCH, torch_at_least
-from course.fsdp import compute_in, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
-from course.memory import LiveBytes, bytes_per_rank, storage_bytes
-from course.notebooks import SOLUTIONS, definitions
-from course.zero import flat_padded, zero1_setup, zero1_step
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.parallel.fsdp import compute_in, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
+from course.observe.memory import LiveBytes, bytes_per_rank, storage_bytes
+from course.classroom.notebooks import SOLUTIONS, definitions
+from course.parallel.zero import flat_padded, zero1_setup, zero1_step
 
 # Measured on torch 2.8: these fail there (FSDP2 differs there); the
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/doctor.py, README).
+# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
     not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
 )
@@ -60,12 +60,12 @@ def _fsdp(world_size):
 
 @pytest.mark.parametrize(
     "module, name",
-    [(course.memory, "storage_bytes"), (course.memory, "bytes_per_rank"), (course.zero, "flat_padded"),
-     (course.memory, "saved_activation_bytes"),
-     (course.zero, "zero1_setup"), (course.zero, "zero1_step"), (course.memory, "LiveBytes"),
-     (course.fsdp, "shard_parameters"), (course.fsdp, "gather_parameter"), (course.fsdp, "free_parameter"),
-     (course.fsdp, "reduce_scatter_gradients"), (course.fsdp, "fully_shard_by_hand"), (course.fsdp, "compute_in"),
-     (course.fsdp, "scaled_step"), (course.fsdp, "prefetch_forward")],
+    [(course.observe.memory, "storage_bytes"), (course.observe.memory, "bytes_per_rank"), (course.parallel.zero, "flat_padded"),
+     (course.observe.memory, "saved_activation_bytes"),
+     (course.parallel.zero, "zero1_setup"), (course.parallel.zero, "zero1_step"), (course.observe.memory, "LiveBytes"),
+     (course.parallel.fsdp, "shard_parameters"), (course.parallel.fsdp, "gather_parameter"), (course.parallel.fsdp, "free_parameter"),
+     (course.parallel.fsdp, "reduce_scatter_gradients"), (course.parallel.fsdp, "fully_shard_by_hand"), (course.parallel.fsdp, "compute_in"),
+     (course.parallel.fsdp, "scaled_step"), (course.parallel.fsdp, "prefetch_forward")],
 )
 def test_notebook_derives_the_package_code(module, name):
     assert definitions(NOTEBOOK)[name] == inspect.getsource(getattr(module, name)).rstrip()
@@ -350,12 +350,12 @@ def _peak_of_a_gather(rank, world_size):
     """LiveBytes follows a freed parameter being gathered and freed again."""
     p = nn.Parameter(torch.zeros(1000))
     shard = nn.Parameter(torch.ones(1000 // world_size))
-    course.fsdp.free_parameter(p)
+    course.parallel.fsdp.free_parameter(p)
     with LiveBytes([p, shard]) as live:
         before = live.now()
         gather_parameter(p, shard)
         whole = live.now()
-        course.fsdp.free_parameter(p)
+        course.parallel.fsdp.free_parameter(p)
         after = live.now()
     return before, whole, after, live.peak, p.untyped_storage().nbytes()
 

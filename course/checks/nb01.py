@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from course.exercises import correct, exercise, wrong
+from course.classroom.exercises import correct, exercise, wrong
 
 
 def _problem(seed=7, n=6, d_in=4, d_out=3):

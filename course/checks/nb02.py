@@ -7,10 +7,10 @@ import re
 import torch
 from torch import nn
 
-from course.baseline import classic_data, single_device_step
-from course.exercises import correct, exercise, todo, wrong
-from course.launcher import WorkerError, WorkerTimeoutError, launch
-from course.worker import PEER_GONE
+from course.training.baseline import classic_data, single_device_step
+from course.classroom.exercises import correct, exercise, todo, wrong
+from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
+from course.runtime.worker import PEER_GONE
 
 
 def run_script(script: str, nproc: int, timeout: float = 30) -> list[str]:
@@ -102,7 +102,7 @@ def _manual_data_parallel_step(rank, world_size, average_gradients):
 @exercise(
     "Exercise 2 (average_gradients)",
     hint="all_reduce every parameter's .grad (weight and bias), then divide by dist.get_world_size().",
-    finished=("course.parallel3d.average_gradients",),
+    finished=("course.parallel.parallel3d.average_gradients",),
 )
 def average_gradients(fn, world_size=4):
     """Exercise 2: data parallelism without DDP — average the gradients across ranks."""

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
 
 
 def _indices(n, world_size, rank, drop_last):

@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import tracing
-from course.exercises import correct, exercise, replaced, wrong
-from course.launcher import WorkerError, launch
+from course.observe import tracing
+from course.classroom.exercises import correct, exercise, replaced, wrong
+from course.runtime.launcher import WorkerError, launch
 
 BUCKET_CAP_MB = 2
 HOOK_RANKS = 3  # not 2, so that a hook dividing by a hard-coded 2 gets the wrong average

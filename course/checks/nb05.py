@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import tracing
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
+from course.observe import tracing
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
 
 
 def exercise_model():

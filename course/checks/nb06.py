@@ -3,9 +3,9 @@
 import torch
 from torch import nn
 
-from course import tracing
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
+from course.observe import tracing
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
 
 SIZES = (5, 1, 10)  # uneven on purpose: rank 1 holds a single sample
 CHANNELS = 3
@@ -60,7 +60,7 @@ def _close(a, b):
 @exercise(
     "Exercise 1 (global_mean_var)",
     hint="mean = (Σx summed over ranks) / (count summed over ranks), per channel (dim 0).",
-    finished=("course.syncbn.global_mean_var",),
+    finished=("course.parallel.syncbn.global_mean_var",),
 )
 def global_mean_var(fn):
     """Exercise 1: per-channel mean and biased variance of the global batch, with one all_reduce."""

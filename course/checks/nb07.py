@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from course.crash import die_halfway
-from course.exercises import correct, exercise, wrong
-from course.launcher import WorkerError, launch
+from course.training.crash import die_halfway
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import WorkerError, launch
 
 
 class _Wrapper(nn.Module):
@@ -133,7 +133,7 @@ def _rename_problem(events):
 
 @exercise("Exercise 2 (atomic_save)", hint="write to a temporary file in the same folder, flush and fsync it, then os.replace it onto the final "
           "name; if saving fails, delete the temporary file and re-raise.",
-          finished=("course.checkpoint.atomic_save",))
+          finished=("course.training.checkpoint.atomic_save",))
 def atomic_save(fn):
     """Exercise 2: save so that a crash at any moment leaves the old file or the new one."""
     with tempfile.TemporaryDirectory() as folder:

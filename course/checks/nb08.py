@@ -5,7 +5,7 @@ import io
 import os
 import shlex
 
-from course.exercises import correct, exercise, wrong
+from course.classroom.exercises import correct, exercise, wrong
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -67,11 +67,11 @@ def _judge_two_node_commands(fn, head, port):
             return wrong(f"torchrun cannot read command {node}: {error}")
         parsed.append(args)
     for node, args in enumerate(parsed):
-        if not (args.module and args.training_script == "course.train"):
-            return wrong(f"command {node} should run the module course.train: end it with '-m course.train'.")
+        if not (args.module and args.training_script == "course.training.train"):
+            return wrong(f"command {node} should run the module course.training.train: end it with '-m course.training.train'.")
         late = [a for a in args.training_script_args if a.startswith(("--nnodes", "--nproc", "--rdzv", "--node", "--master"))]
         if late:
-            return wrong(f"torchrun's options go before '-m course.train': what follows it ({late[0]}) is "
+            return wrong(f"torchrun's options go before '-m course.training.train': what follows it ({late[0]}) is "
                                "passed to the training script.")
         if args.standalone:
             return wrong("--standalone makes each agent start its own rendezvous on its own machine: the two "

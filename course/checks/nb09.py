@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from course.exercises import correct, exercise, wrong
-from course.launcher import WorkerTimeoutError, launch
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import WorkerTimeoutError, launch
 
 # ------------------------------------------------------------------ Exercise 1
 

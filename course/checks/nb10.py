@@ -9,10 +9,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import collectives, tracing, wire
-from course.data_parallel import trainable
-from course.exercises import correct, exercise, is_stub, replaced, todo, wrong
-from course.launcher import WorkerError, WorkerTimeoutError, launch
+from course.observe import tracing, wire
+from course.parallel import collectives
+from course.parallel.data_parallel import trainable
+from course.classroom.exercises import correct, exercise, is_stub, replaced, todo, wrong
+from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
 
 PREDICT_RANKS = 4
 PREDICT_NUMEL = 250_000  # float32: 1,000,000 bytes
@@ -112,7 +113,7 @@ def _run_ring(rank, world_size, fn):
 
 
 class _Unmeasured:
-    sent = None  # where course.wire cannot read the sockets (not Linux)
+    sent = None  # where course.observe.wire cannot read the sockets (not Linux)
 
 
 def _unmeasured():
@@ -140,7 +141,7 @@ def _expected(world_size, n):
 @exercise(
     "Exercise 2 (ring all-reduce)",
     hint="cut the tensor with torch.tensor_split(tensor, N) (views, so adding into them changes the tensor); reduce-scatter for N - 1 steps (isend one chunk right, recv one from the left, add it into your copy of that chunk), then all-gather for N - 1 steps (pass the finished chunks on, copying instead of adding).",
-    finished=("course.collectives.ring_all_reduce", "course.collectives.ring_reduce_scatter", "course.collectives.ring_all_gather"),
+    finished=("course.parallel.collectives.ring_all_reduce", "course.parallel.collectives.ring_reduce_scatter", "course.parallel.collectives.ring_all_gather"),
 )
 def ring_all_reduce(fn, timeout=None):
     """Exercise 2: sum a tensor over all ranks, in place, with a ring of sends and receives."""
@@ -168,13 +169,13 @@ def ring_all_reduce(fn, timeout=None):
                 return wrong(
                     f"with {world_size} ranks every rank waited forever in a send: gloo's send returns only once the "
                     "receiver has posted its recv, so if everyone sends first, nobody receives. Start the send with "
-                    "dist.isend (or the counting isend of course.collectives), then recv, then wait() for the send."
+                    "dist.isend (or the counting isend of course.parallel.collectives), then recv, then wait() for the send."
                 )
             return wrong(f"with {world_size} ranks some ranks waited forever: every send needs a matching recv of the same size on the neighbour.")
         for rows in zip(*results):  # the same size on every rank
             n = rows[0]["n"]
             expected = _expected(world_size, n)
-            if any(r["new_groups"] for r in rows):  # found without course.wire too
+            if any(r["new_groups"] for r in rows):  # found without course.observe.wire too
                 return wrong(
                     f"your function created another process group (dist.new_group) (N = {world_size}): the tracer "
                     "sees only the default group, so build the ring from dist.isend/dist.send and dist.recv on the "
@@ -185,7 +186,7 @@ def ring_all_reduce(fn, timeout=None):
                 return wrong(f"build it from send and recv only; your function also called {', '.join(others)}.")
             hidden = max(_hidden_traffic(r) for r in rows)
             if hidden or (n >= world_size and not all(r["sent"] for r in rows)):
-                seen = (f"your ranks put {hidden:,} bytes more on the wire (measured on the sockets with course.wire) "
+                seen = (f"your ranks put {hidden:,} bytes more on the wire (measured on the sockets with course.observe.wire) "
                         "than their sends on the default process group carry" if hidden else
                         "your ranks sent nothing on the default process group")
                 return wrong(
@@ -386,7 +387,7 @@ def _untouched(cls):
 @exercise(
     "Exercise 3 (overlap per parameter)",
     hint="in __init__, after replicate(model), p.register_post_accumulate_grad_hook(self.grad_ready) for every p in trainable(model); in the hook, divide p.grad by the world size and keep the handle of dist.all_reduce(p.grad, async_op=True); in finish(), wait() for each handle and forget them.",
-    finished=("course.data_parallel.OverlapPerParameter",),
+    finished=("course.parallel.data_parallel.OverlapPerParameter",),
 )
 def overlap_per_parameter(cls):
     """Exercise 3: a DP that starts one async all-reduce per gradient from a hook, and waits in finish()."""

@@ -11,12 +11,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course import guard, tracing, wire
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
-from course.memory import bytes_per_rank as measure_bytes
-from course.memory import saved_activation_bytes, storage_bytes
-from course.zero import zero1_setup, zero1_step as reference_zero1_step
+from course.classroom import guard
+from course.observe import tracing, wire
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
+from course.observe.memory import bytes_per_rank as measure_bytes
+from course.observe.memory import saved_activation_bytes, storage_bytes
+from course.parallel.zero import zero1_setup, zero1_step as reference_zero1_step
 
 # ------------------------------------------------------------------ bytes on the wire, calls watched
 
@@ -30,11 +31,11 @@ WIRE_SLACK = 1024
 
 
 class _NotMeasured:
-    sent = None  # where course.wire cannot read the sockets (not Linux)
+    sent = None  # where course.observe.wire cannot read the sockets (not Linux)
 
 
 def _on_wire():
-    """course.wire.measure() where it works; elsewhere a block whose ``sent`` is None."""
+    """course.observe.wire.measure() where it works; elsewhere a block whose ``sent`` is None."""
     dist.barrier()  # the other ranks' earlier messages are not counted in the block
     return wire.measure() if wire.available() else contextlib.nullcontext(_NotMeasured())
 
@@ -127,7 +128,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     "Exercise 1 (zero1_step)",
     hint="reduce_scatter_tensor the flat gradients into a tensor shaped like `shard`, divide by the world size, "
     "set it as shard.grad, step, then all_gather_into_tensor the shards and copy them into the parameters in order.",
-    finished=("course.zero.zero1_step",),
+    finished=("course.parallel.zero.zero1_step",),
 )
 def zero1_step(fn, world_sizes=(2, 3)):
     """Exercise 1: one ZeRO-1 update (reduce-scatter, step on my slice, all-gather), on 2 ranks
@@ -174,7 +175,7 @@ def _judge_zero1(fn, world_size):
     extra = _more_on_wire([r["wire"] for r in results], [r["reference_wire"] for r in results])
     if extra:
         return wrong(f"your step put {extra:,} bytes more on the wire than a reduce-scatter and an all-gather (measured "
-                     "on the sockets with course.wire): a collective on another process group (dist.new_group), which "
+                     "on the sockets with course.observe.wire): a collective on another process group (dist.new_group), which "
                      "the default group does not see? One reduce_scatter_tensor and one all_gather_into_tensor do it.")
     if not all(torch.equal(r["weights"], first["weights"]) for r in results):
         return wrong("the ranks end with different weights: each rank updated only its own slice. all_gather the "
@@ -216,7 +217,7 @@ def _needed_whole(t):
 def _fsdp_train(rank, model, units, fn, steps, ddp=None):
     """Shard ``model`` with ``fn`` and train it for ``steps`` steps, recording which of its trainable
     parameters are whole at each moment that matters, and the bytes this rank put on the wire."""
-    from course.fsdp import fully_shard_by_hand as course_version
+    from course.parallel.fsdp import fully_shard_by_hand as course_version
 
     with torch.no_grad():
         for p in model.parameters():
@@ -225,7 +226,7 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
     with calls_into(codes={course_version.__code__}) as called:
         shards = fn(model, units)
     if called and ddp is not None:  # the reference run (no DDP beside it) is the course's version
-        return {"error": "this is the course's own course.fsdp.fully_shard_by_hand (imported or called): build it "
+        return {"error": "this is the course's own course.parallel.fsdp.fully_shard_by_hand (imported or called): build it "
                 "from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return {"error": "the model's parameters became DTensors: that is PyTorch's FSDP2 (fully_shard), not yours. "
@@ -276,8 +277,8 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
 
 
 def _fsdp_run(rank, world_size, fn, steps=2):
-    from course.fsdp import fully_shard_by_hand as course_version
-    from course.fsdp import gather_parameter
+    from course.parallel.fsdp import fully_shard_by_hand as course_version
+    from course.parallel.fsdp import gather_parameter
 
     out = []
     for index, ((reference, _), (model, units), (model2, units2)) in enumerate(
@@ -302,7 +303,7 @@ def _fsdp_run(rank, world_size, fn, steps=2):
     "For each unit (and the model, for the parameters of no unit): a forward pre-hook that gathers the unit's "
     "sharded parameters, a forward hook that frees them and registers a hook on the output that gathers them "
     "again (it runs when backward reaches the unit). Return shards.",
-    finished=("course.fsdp.fully_shard_by_hand",),
+    finished=("course.parallel.fsdp.fully_shard_by_hand",),
 )
 def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
@@ -340,7 +341,7 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             extra = _more_on_wire([r["wire"]], [r["reference_wire"]]) if "reference_wire" in r else 0
             if extra:
                 return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
-                             "version (measured on the sockets with course.wire): whole gradients gathered, or a "
+                             "version (measured on the sockets with course.observe.wire): whole gradients gathered, or a "
                              "collective on another process group (dist.new_group)? Each rank should send only the "
                              "gathers of each unit's parameters and one reduce-scatter of each gradient.")
             if r["difference"] > 1e-6:
@@ -365,7 +366,7 @@ def _scaler_run(rank, world_size, fn, steps=6, scale=2.0**10):
     """Train with ``fn`` as the loss-scaled step. Overflows are injected into gradients (what float16
     does when the scale is too large) at elements that another rank owns: an inf on one rank, a NaN
     on one rank, and +inf and -inf at the same element on two ranks (their sum is a NaN)."""
-    from course.fsdp import fully_shard_by_hand
+    from course.parallel.fsdp import fully_shard_by_hand
 
     model, units = _scaler_model()
     shards = fully_shard_by_hand(model, units)
@@ -417,11 +418,11 @@ def _scaler_pair(rank, world_size, fn, reference):
     hint="backward on loss * scale; found = 1.0 if any of this rank's shard gradients is not finite; "
     "dist.all_reduce(found, op=dist.ReduceOp.MAX); if found: optimizer.zero_grad() and return (scale / 2, False); "
     "else divide every shard's gradient by scale, optimizer.step(), return (scale, True).",
-    finished=("course.fsdp.scaled_step",),
+    finished=("course.parallel.fsdp.scaled_step",),
 )
 def scaled_step(fn, world_sizes=(2, 3)):
     """Exercise 3: a loss-scaled step whose verdict every rank shares."""
-    from course.fsdp import scaled_step
+    from course.parallel.fsdp import scaled_step
 
     reference = guard.original(scaled_step)  # the course's own, unguarded: the check's yardstick
     for world_size in world_sizes:

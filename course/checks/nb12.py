@@ -6,13 +6,13 @@ import copy
 import torch
 from torch import nn
 
-from course import tensor_parallel as tp
-from course import tracing, wire
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
+from course.parallel import tensor_parallel as tp
+from course.observe import tracing, wire
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
 
 IN, OUT, BATCH = 8, 6, 4
-# Bytes a backward without communication may still put on the wire (measured with course.wire: 0 B on
+# Bytes a backward without communication may still put on the wire (measured with course.observe.wire: 0 B on
 # 2 and 3 ranks, 5 backwards each, right after an all-reduce).
 WIRE_SLACK = 256
 

@@ -6,10 +6,10 @@ import random
 import torch
 from torch import nn
 
-from course import tracing
-from course.exercises import correct, exercise, wrong
-from course.launcher import launch
-from course.pipeline import (
+from course.observe import tracing
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import launch
+from course.parallel.pipeline import (
     BATCH,
     WIDTH,
     Deadlock,

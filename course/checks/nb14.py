@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from course import context_parallel as cp
-from course.exercises import correct, exercise, replaced, wrong
-from course.launcher import WorkerError, WorkerTimeoutError, launch
+from course.parallel import context_parallel as cp
+from course.classroom.exercises import correct, exercise, replaced, wrong
+from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
 
 DIM = 8
 TIMEOUT = 30  # seconds; a ring whose sends and receives do not match hangs until then
@@ -45,7 +45,7 @@ def _as_pair(result):
     "Exercise 1 (merge)",
     hint="the merged log-sum-exp is log(e^lse1 + e^lse2); each output is weighted by e^(lse_i - lse). "
     "Subtract the larger lse before any exp, so that nothing overflows.",
-    finished=("course.context_parallel.merge",),
+    finished=("course.parallel.context_parallel.merge",),
 )
 def merge(fn):
     """Exercise 1: merge two partial attention results (out, lse) into the result over both key sets."""
@@ -276,7 +276,7 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
     hint="at each of the N steps: start passing the K/V chunk you hold to rank r+1 (start_pass), attend "
     "to it (its positions: layout[(rank - step) % N]), merge, then wait and take the chunk that arrived. "
     "No pass after the last step.",
-    finished=("course.context_parallel.ring_forward",),
+    finished=("course.parallel.context_parallel.ring_forward",),
 )
 def ring_forward(forward):
     """Exercise 2: ring attention's forward, checked against full attention on 2, 3 and 4 ranks."""
@@ -323,7 +323,7 @@ def _runs(positions):
     hint="cut the sequence into 2N slices with torch.tensor_split (equal when 2N divides the length, else "
     "differing by one token); under a causal mask slice i costs about i + 1/2 blocks of work, "
     "so give each rank two slices whose costs add up to the same total: an early one and a late one.",
-    finished=("course.context_parallel.zigzag_layout",),
+    finished=("course.parallel.context_parallel.zigzag_layout",),
 )
 def zigzag_layout(fn):
     """Exercise 3: a layout (two slices per rank) that balances causal attention's work."""

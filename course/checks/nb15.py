@@ -6,10 +6,11 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from course import expert_parallel as ep
-from course import guard, tracing, wire
-from course.exercises import correct, exercise, wrong
-from course.launcher import WorkerError, launch
+from course.parallel import expert_parallel as ep
+from course.classroom import guard
+from course.observe import tracing, wire
+from course.classroom.exercises import correct, exercise, wrong
+from course.runtime.launcher import WorkerError, launch
 
 DIM, HIDDEN = 8, 16
 ALL_TO_ALL = {"all_to_all", "all_to_all_single"}
@@ -93,8 +94,8 @@ def _layer_run(rank, world_size, dispatch, combine, n_experts, k, capacity_facto
 
     # The layer calls the answer's functions (in this rank only). An answer that calls
     # ep.dispatch (the course's own) would now call itself: say so rather than recurse.
-    ep.dispatch = _not_reentrant(dispatch, "course.expert_parallel.dispatch")
-    ep.combine = _not_reentrant(combine, "course.expert_parallel.combine")
+    ep.dispatch = _not_reentrant(dispatch, "course.parallel.expert_parallel.dispatch")
+    ep.combine = _not_reentrant(combine, "course.parallel.expert_parallel.combine")
     layer = ep.ExpertParallelMoE(full, group)
     x, upstream = make_tokens(rank, tokens[rank], positive=skew > 0)
     x.requires_grad_()
@@ -161,7 +162,7 @@ def _judge_layer(results, case, subgroup):
     hint="dispatch: first an all-to-all of the counts (each rank sends each rank the counts of that rank's experts), "
     "then rows per rank = counts summed per rank, and AllToAll.apply(x_sorted, rows to receive, rows to send, group); "
     "combine: the same exchange backwards, split sizes swapped.",
-    finished=("course.expert_parallel.dispatch", "course.expert_parallel.combine"),
+    finished=("course.parallel.expert_parallel.dispatch", "course.parallel.expert_parallel.combine"),
 )
 def dispatch_combine(dispatch, combine):
     """Exercise 1: the expert-parallel layer with the answer's dispatch and combine equals the
@@ -298,7 +299,7 @@ def compare_training(results, moe):
     "Exercise 3 (EP x DP gradient sync)",
     hint="skip frozen parameters (no .grad). After backward, an expert's gradient already holds every token of its expert-parallel group; "
     "the router's holds only this rank's. Each rank's loss counts 1/(all ranks) in the mean.",
-    finished=("course.expert_parallel.sync_gradients",),
+    finished=("course.parallel.expert_parallel.sync_gradients",),
 )
 def ep_dp_sync(sync):
     """Exercise 3: fix the gradient sync; trained on 2x2, 1x2 and 1x4 meshes (dp x ep) it must match one process."""

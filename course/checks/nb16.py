@@ -4,10 +4,10 @@ import numbers
 
 import math
 
-from course import guard
-from course.exercises import correct, exercise, wrong
-from course.parallel3d import mesh_groups as reference_groups
-from course.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
+from course.classroom import guard
+from course.classroom.exercises import correct, exercise, wrong
+from course.parallel.parallel3d import mesh_groups as reference_groups
+from course.parallel.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -24,7 +24,7 @@ def _canonical(answer):
     "Exercise 1 (mesh_groups)",
     hint="a rank's coordinates are d = rank // (pp * tp), p = rank // tp % pp, t = rank % tp. A group of one "
     "dimension is the ranks whose *other two* coordinates are equal: loop over the other two, vary this one.",
-    finished=("course.parallel3d.mesh_groups",),
+    finished=("course.parallel.parallel3d.mesh_groups",),
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""

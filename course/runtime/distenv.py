@@ -16,7 +16,7 @@ course.launch      RANK                 WORLD_SIZE              LOCAL_RANK      
 else (no torch): whether a process group already exists is the caller's question
 (``dist.is_initialized()``; ``course.launch`` makes one unless ``init_process_group=False``,
 and then it sets ``MASTER_ADDR``/``MASTER_PORT`` too). :data:`MPI_VARIABLES` is the one list
-of MPI's names; :mod:`course.mpi` reads it too.
+of MPI's names; :mod:`course.runtime.mpi` reads it too.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def discover(environ=None) -> DistEnv:
     """Read the launcher's environment (``os.environ`` by default). The innermost launcher wins:
     torchrun inside an ``srun`` allocation is torchrun."""
     env = os.environ if environ is None else environ
-    if "COURSE_LAUNCHER" in env and "RANK" in env:  # course.launch, course.mpi
+    if "COURSE_LAUNCHER" in env and "RANK" in env:  # course.launch, course.runtime.mpi
         world_size = _int(env, "WORLD_SIZE")
         return _checked(DistEnv(env["COURSE_LAUNCHER"], _int(env, "RANK"), world_size, _int(env, "LOCAL_RANK", 0),
                                 _int(env, "LOCAL_WORLD_SIZE", world_size), env.get("MASTER_ADDR", ""),

@@ -155,7 +155,7 @@ def activation_coefficient(model: Model, seq: int = 64, head_dim: int = 8) -> fl
     import torch.nn.functional as F
     from torch import nn
 
-    from course.memory import saved_activation_bytes
+    from course.observe.memory import saved_activation_bytes
 
     h, kv = model.heads * head_dim, model.kv_heads * head_dim
     f = round(model.ffn / model.hidden * h)

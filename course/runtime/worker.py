@@ -1,7 +1,7 @@
 """The worker protocol: what every rank runs, and how its report comes home, whoever started it.
 
-A launcher only decides how rank processes start and stop (:mod:`course.launcher` forks or
-spawns them, :mod:`course.mpi` lets ``mpirun`` start them). Everything else is here, once:
+A launcher only decides how rank processes start and stop (:mod:`course.runtime.launcher` forks or
+spawns them, :mod:`course.runtime.mpi` lets ``mpirun`` start them). Everything else is here, once:
 
 * :class:`Job`: what every rank of one launch needs to know (world size, backend, folder, ...).
 * :func:`pack` / :func:`unpack`: ``fn``, its arguments and a registered backend as bytes, for
@@ -73,13 +73,13 @@ class Job:
     threads: int = 1  # torch intra-op threads per rank
     env: dict = field(default_factory=dict)  # set in each rank before anything else
     init_process_group: bool = True  # False: fn calls init_process_group itself (env://)
-    launcher: str = "course.launch"  # COURSE_LAUNCHER in the ranks, read by course.distenv
+    launcher: str = "course.launch"  # COURSE_LAUNCHER in the ranks, read by course.runtime.distenv
     # The launcher's whole environment, for ranks forked by a server started earlier
     # (forkserver): it replaces what they inherited. None: they inherited the right one.
     environ: dict | None = None
-    # The course's finished versions a running check guards (course.guard): each rank guards
-    # them too, before it unpickles its function.
-    guarded: tuple = ()
+    # Callables each rank calls before it unpickles its function: what the hooks registered with
+    # course.runtime.launcher.on_launch returned (the classroom's guards, for one).
+    setup: tuple = ()
 
     def output_path(self, rank: int) -> Path:
         return Path(self.workdir, f"rank{rank}.out")
@@ -146,7 +146,7 @@ def _library_dirs():
 
     paths = sysconfig.get_paths()
     return tuple(os.path.join(os.path.realpath(d), "") for d in {
-        os.path.dirname(os.path.abspath(__file__)), paths["stdlib"], paths["purelib"], paths["platlib"]})
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), paths["stdlib"], paths["purelib"], paths["platlib"]})
 
 
 def _callers_frame(tb):
@@ -194,7 +194,7 @@ def _hint(e):
 
 @dataclass(frozen=True)
 class RegisteredBackend:
-    """A backend registered with ``dist.Backend.register_backend`` (e.g. course.tracing's "traced")."""
+    """A backend registered with ``dist.Backend.register_backend`` (e.g. course.observe.tracing's "traced")."""
 
     name: str
     creator: object  # creator_fn(store, rank, world_size, timeout) -> ProcessGroup backend
@@ -231,7 +231,7 @@ def check_backend(backend: str) -> RegisteredBackend | None:
         raise ValueError(
             f"Unknown backend {backend!r}. Use 'gloo' for CPU tensors, 'nccl' for CUDA GPUs, or a name "
             "registered with torch.distributed.Backend.register_backend (for the course's 'traced' "
-            "backend, `import course.tracing` first)."
+            "backend, `import course.observe.tracing` first)."
         )
     return plugin
 
@@ -388,11 +388,9 @@ def run_rank(rank: int, job: Job, payload, prepare=None) -> Report:
         os.environ.update(job.env)
         import torch
 
-        torch.set_num_threads(job.threads)  # the first torch call after a fork (see course.launcher)
-        if job.guarded:
-            from course import guard
-
-            guard.install(job.guarded, [])  # for this rank's life
+        torch.set_num_threads(job.threads)  # the first torch call after a fork (see course.runtime.launcher)
+        for setup in job.setup:
+            setup()
         fn, args, backend = unpack(payload)
         if backend is not None:
             backend.register()

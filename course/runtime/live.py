@@ -20,7 +20,7 @@ import sys
 import time
 from collections import deque
 
-from course.worker import Job, NoiseFilter
+from course.runtime.worker import Job, NoiseFilter
 
 TICK = 0.25  # seconds between looks at the ranks' output files
 SHOW_AFTER = 0.5  # seconds: a quick launch shows only its replay, without flicker

@@ -1,9 +1,9 @@
 """While a check runs, the course's own finished version of the answer refuses to work for it.
 
-The package holds the finished code of many exercises (``course.context_parallel.ring_forward``
+The package holds the finished code of many exercises (``course.parallel.context_parallel.ring_forward``
 is Exercise 2 of notebook 14, derived there step by step). An answer that *is* it, or wraps it,
 would pass its check while teaching nothing, so a check names the finished versions of its answer
-(``@exercise(..., finished=["course.context_parallel.ring_forward"])``) and, while it judges:
+(``@exercise(..., finished=["course.parallel.context_parallel.ring_forward"])``) and, while it judges:
 
 * an answer that is one of them, a ``functools.partial`` of it, a subclass of it, or a function
   that keeps it in a default value, a closure or ``__wrapped__`` is refused at once;
@@ -42,7 +42,9 @@ import sysconfig
 import types
 from pathlib import Path
 
-_COURSE = os.path.realpath(Path(__file__).parent) + os.sep
+from course.runtime import launcher
+
+_COURSE = os.path.realpath(Path(__file__).parents[1]) + os.sep  # the whole package
 _CHECKS = _COURSE + "checks" + os.sep
 _LIBRARIES = tuple(
     {os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_paths().get(key))}
@@ -57,7 +59,7 @@ class FinishedVersionUsed(RuntimeError):
 
 
 def resolve(dotted: str):
-    """``"course.context_parallel.ring_forward"`` -> (the module, "ring_forward")."""
+    """``"course.parallel.context_parallel.ring_forward"`` -> (the module, "ring_forward")."""
     module_name, _, name = dotted.rpartition(".")
     return importlib.import_module(module_name), name
 
@@ -233,3 +235,10 @@ def guarding(dotted_names):
 def active() -> tuple:
     """The finished versions guarded in this process now (a launch hands them to its ranks)."""
     return tuple(_active)
+
+
+@launcher.on_launch
+def _guard_the_ranks():
+    """Each rank of a launch made while a check judges guards the same names, for its life,
+    before it unpickles its function (forkserver and spawn ranks import the answer then)."""
+    return functools.partial(install, tuple(_active), []) if _active else None

@@ -8,16 +8,16 @@ who it is through environment variables (``PMI_RANK``/``PMI_SIZE`` with MPICH,
 ``init_process_group`` needs, plus a place to meet: here a ``FileStore`` in a
 temporary folder, as in :func:`course.launch`.
 
-    >>> course.mpi.launch(fn, 2, *args)          # like course.launch, via mpirun
+    >>> course.runtime.mpi.launch(fn, 2, *args)          # like course.launch, via mpirun
     [rank 0] ...
     [rank 1] ...
 
-Each rank runs ``python -m course.mpi FOLDER``: it reads ``fn`` and its arguments
-(sent by value with cloudpickle) from the folder and runs :func:`course.worker.run_rank`,
+Each rank runs ``python -m course.runtime.mpi FOLDER``: it reads ``fn`` and its arguments
+(sent by value with cloudpickle) from the folder and runs :func:`course.runtime.worker.run_rank`,
 exactly as a rank of ``course.launch`` does, then writes its report back. What each
 rank prints is shown afterwards in rank order, and a failing rank raises
 :class:`course.WorkerError`. This module holds only what is MPI's: finding ``mpirun``,
-its command line, and reading the rank from its variables (:mod:`course.distenv`).
+its command line, and reading the rank from its variables (:mod:`course.runtime.distenv`).
 
 ``mpirun`` comes from ``pip install mpich`` (part of the course's ``dev`` extra on
 Linux and macOS) or from your system (Open MPI, MPICH).
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from course import distenv, worker
+from course.runtime import distenv, worker
 
 
 class MPIRunNotFound(RuntimeError):
@@ -52,7 +52,7 @@ def find_mpirun() -> str | None:
 
 def rank_and_size(environ=None) -> tuple[int, int]:
     """This process's rank and the world size, as ``mpirun`` announced them
-    (:data:`course.distenv.MPI_VARIABLES` lists the names each MPI uses)."""
+    (:data:`course.runtime.distenv.MPI_VARIABLES` lists the names each MPI uses)."""
     return distenv.mpi_rank_and_size(os.environ if environ is None else environ)
 
 
@@ -90,10 +90,10 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     show_ranks = worker.ranks_to_show(show, world_size)
 
     with tempfile.TemporaryDirectory(prefix="course-mpi-") as workdir:
-        job = worker.Job(world_size, workdir, backend, timeout, threads=1, launcher="course.mpi")
+        job = worker.Job(world_size, workdir, backend, timeout, threads=1, launcher="course.runtime.mpi")
         Path(workdir, "payload").write_bytes(worker.pack(fn, args, plugin))
         Path(workdir, "job").write_bytes(pickle.dumps(job))
-        command = mpirun_command(mpirun, world_size) + [sys.executable, "-m", "course.mpi", workdir]
+        command = mpirun_command(mpirun, world_size) + [sys.executable, "-m", "course.runtime.mpi", workdir]
         # Like multiprocessing's spawn: the ranks import from where this process does
         # (the course package, the module that defined fn, ...).
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
@@ -118,11 +118,11 @@ def _report_path(workdir, rank):
 
 
 def _main(workdir):
-    """One rank, started by mpirun: ``python -m course.mpi FOLDER``."""
+    """One rank, started by mpirun: ``python -m course.runtime.mpi FOLDER``."""
     try:
         rank, world_size = rank_and_size()
     except RuntimeError as e:
-        print(f"course.mpi: {e}", file=sys.stderr)
+        print(f"course.runtime.mpi: {e}", file=sys.stderr)
         raise SystemExit(2)
     try:
         job = pickle.loads(Path(workdir, "job").read_bytes())

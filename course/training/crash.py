@@ -1,8 +1,8 @@
 """Crash experiments: a ``torch.save`` that dies halfway, as a machine going down mid-save would.
 
 Notebook 07 (before its Exercise 2) and that exercise's check use it to kill a save at its worst
-moment; ``tests/test_checkpoint.py`` to show that ``course.checkpoint``'s saves survive it. It lives
-apart from ``course/checkpoint.py``, which holds Exercise 2's answer.
+moment; ``tests/test_checkpoint.py`` to show that ``course.training.checkpoint``'s saves survive it. It lives
+apart from ``course/training/checkpoint.py``, which holds Exercise 2's answer.
 """
 
 import io

@@ -11,7 +11,7 @@
     [1, 1]
 
 How it works, and why (each point is a trap we measured; see the course README). What a
-rank does once started is :mod:`course.worker`'s; this module starts and stops processes.
+rank does once started is :mod:`course.runtime.worker`'s; this module starts and stops processes.
 
 * **Start method.** ``torch.multiprocessing.spawn`` pickles ``fn`` *by name*, and a
   function defined in a notebook lives in ``__main__``, which a fresh process cannot
@@ -50,7 +50,7 @@ rank does once started is :mod:`course.worker`'s; this module starts and stops p
   prefixed with ``[rank r]``, without the lines torch itself adds on some versions
   (gloo's "connected to peer ranks", the same warning from every rank). Deterministic,
   so nbval can compare it. In Jupyter, a live display shows the newest lines while the
-  ranks run and is emptied at the end (:mod:`course.live` explains why nbval is unaffected).
+  ranks run and is emptied at the end (:mod:`course.runtime.live` explains why nbval is unaffected).
 * **Failures.** If a rank raises, the others are killed at once and
   :class:`WorkerError` names the rank and shows its traceback. If ranks are still
   running after ``timeout`` seconds (a missing collective, a deadlock), their Python
@@ -82,8 +82,8 @@ import warnings
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from course import guard, live
-from course.worker import (
+from course.runtime import live
+from course.runtime.worker import (
     Job,
     Report,
     WorkerError,
@@ -104,7 +104,7 @@ __all__ = ["launch", "WorkerError", "WorkerTimeoutError", "LaunchInterrupted", "
 START_METHODS = ("fork", "forkserver", "spawn")
 START_METHOD_VARIABLE = "COURSE_START_METHOD"  # overrides the default start method of every launch
 # What a forkserver imports once, so that its ranks (its forks) start with them imported.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course.launcher"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course.runtime.launcher"]
 STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
 STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
@@ -180,7 +180,7 @@ def launch(
                       hangs otherwise); otherwise default cores // world_size.
         backend:      ``"gloo"`` (CPU tensors), ``"nccl"`` (one CUDA GPU per rank), or a
                       name registered with ``torch.distributed.Backend.register_backend``
-                      (e.g. ``"traced"``, from :mod:`course.tracing`).
+                      (e.g. ``"traced"``, from :mod:`course.observe.tracing`).
         start_method: ``"fork"`` (default on Linux without a GPU), ``"forkserver"``
                       (default on Linux with a CUDA GPU) or ``"spawn"`` (default on macOS
                       and Windows); ``$COURSE_START_METHOD`` changes the default (see
@@ -219,7 +219,7 @@ def launch(
 
     with tempfile.TemporaryDirectory(prefix="course-launch-") as workdir:
         job = Job(world_size, workdir, backend, timeout, threads, _rank_env(env, init_process_group), init_process_group,
-                  environ=environ, guarded=guard.active())
+                  environ=environ, setup=_rank_setup())
         # In Jupyter even a launch that shows nobody's output (show=None, as checks do) shows
         # which ranks still run after a second: a hang must not look like nothing happening.
         display = live.LiveOutput(job, show_ranks) if live.in_jupyter() else None
@@ -360,6 +360,23 @@ def _free_port():
 
 
 # --------------------------------------------------------------------------- parent side
+
+# Hooks of the layers above (course.classroom.guard registers one): the runtime runs them and
+# knows nothing of what they do.
+_launch_hooks = []
+
+
+def on_launch(hook):
+    """Register ``hook()``, called in the launching process at every launch. It returns None, or
+    a picklable callable that each rank calls before it unpickles its function (so spawned and
+    forkserver ranks get it too)."""
+    _launch_hooks.append(hook)
+    return hook
+
+
+def _rank_setup() -> tuple:
+    return tuple(setup for setup in (hook() for hook in _launch_hooks) if setup is not None)
+
 
 
 def _supervise(procs, readers, job, display, reports):

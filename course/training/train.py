@@ -1,17 +1,17 @@
 """One DDP training script for every launcher: torchrun, Slurm, mpirun, or a notebook.
 
-    torchrun --standalone --nproc-per-node=2 -m course.train --steps 40
-    srun python -m course.train --steps 40               # in an sbatch job: scripts/train.sbatch
-    mpirun -n 2 python -m course.train --steps 40
-    course.launch(lambda rank, world_size: course.train.main(["--steps", "40"]), 2)
+    torchrun --standalone --nproc-per-node=2 -m course.training.train --steps 40
+    srun python -m course.training.train --steps 40               # in an sbatch job: scripts/train.sbatch
+    mpirun -n 2 python -m course.training.train --steps 40
+    course.launch(lambda rank, world_size: course.training.train.main(["--steps", "40"]), 2)
 
-The script never asks *who* started it. :func:`course.distenv.discover` reads the
+The script never asks *who* started it. :func:`course.runtime.distenv.discover` reads the
 launcher's environment variables (each launcher has its own names for rank, world
 size and local rank), and :meth:`DistEnv.export` writes them back under torchrun's
 names, so that one ``init_process_group(init_method="env://")`` serves them all.
 Where the process group already exists (``course.launch`` makes one) it is used as it is.
 
-What it trains: the CIFAR-10 CNN of notebook 03 on ``course.data.cifar10`` (the
+What it trains: the CIFAR-10 CNN of notebook 03 on ``course.training.data.cifar10`` (the
 synthetic stand-in when the real data is absent), a ``DistributedSampler``, SGD with
 momentum. Everything else is what makes a job survive the real world:
 
@@ -19,7 +19,7 @@ momentum. Everything else is what makes a job survive the real world:
   rank, gloo on the CPU otherwise. Nothing else in the script changes, except that
   on a GPU it asks for deterministic kernels (or resumed runs would not be exact).
 * **Resume.** With ``--checkpoint PATH`` it saves every ``--save-every`` steps (rank 0,
-  atomically: ``course.checkpoint``, notebook 07) and, if the file exists at start,
+  atomically: ``course.training.checkpoint``, notebook 07) and, if the file exists at start,
   resumes from it exactly. A job restarted by ``torchrun --max-restarts`` or
   resubmitted to Slurm continues where its last checkpoint left it.
 * **Failures.** ``@record`` writes a failing rank's traceback where torchrun's
@@ -47,9 +47,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from course import data
-from course.checkpoint import load_checkpoint, restore_training_state, save_checkpoint, training_state, unwrap
-from course.distenv import DistEnv, NoLauncherError, discover
+from course.training import data
+from course.training.checkpoint import load_checkpoint, restore_training_state, save_checkpoint, training_state, unwrap
+from course.runtime.distenv import DistEnv, NoLauncherError, discover
 
 
 class Net(nn.Module):
@@ -74,7 +74,7 @@ class Net(nn.Module):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m course.train", description="Train the CIFAR-10 CNN with DDP.")
+    p = argparse.ArgumentParser(prog="python -m course.training.train", description="Train the CIFAR-10 CNN with DDP.")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps in total (default 60)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
@@ -118,7 +118,7 @@ def setup(timeout: float = 120, environ=None) -> tuple[DistEnv, torch.device]:
     """Join the job: find the launcher, create the process group, pick the device.
 
     ``environ``: the launcher's variables (default ``os.environ``). Raises
-    :class:`course.distenv.NoLauncherError`, saying how to start the script, when no
+    :class:`course.runtime.distenv.NoLauncherError`, saying how to start the script, when no
     launcher's variables are found."""
     env = discover(environ)
     if dist.is_initialized():  # e.g. course.launch made it: use it as it is

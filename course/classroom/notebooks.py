@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
 STUDENT = ROOT / "notebooks"
 
@@ -149,7 +149,7 @@ def execute(nb, cwd: Path, timeout: int = 600):
 # ``x[0] = 1``, ``f(x)``) counts as binding that name; one that calls a function of the
 # notebook's also reads what that function reads and changes what it changes; and a name
 # that a statement rebinds from values that do not depend on a stub no longer depends on it
-# (``from course.zero import zero1_step`` after the exercise: the cells after it use the
+# (``from course.parallel.zero import zero1_step`` after the exercise: the cells after it use the
 # course's version). It errs on the side of running a cell.
 
 
@@ -415,7 +415,7 @@ def build(names=(), run: bool = True):
         write(nb, path)
         write(make_student(nb, path.name), STUDENT / path.name)
         print(f"wrote {(STUDENT / path.name).relative_to(ROOT)}")
-    from course.exercises import SOLUTIONS_FILE
+    from course.classroom.exercises import SOLUTIONS_FILE
 
     write_solutions(SOLUTIONS_FILE)
     write_exercise_answers(SOLUTIONS_FILE.with_name("answers.json"))

@@ -1,6 +1,6 @@
 """CIFAR-10 without a network: the real dataset when you have it, a synthetic one otherwise.
 
-    >>> train = course.data.cifar10(train=True, transform=ToTensor())
+    >>> train = course.training.data.cifar10(train=True, transform=ToTensor())
     >>> type(train).__name__, len(train)
     ('SyntheticCIFAR10', 2400)
 
@@ -30,7 +30,7 @@ puts it, ``<data dir>/cifar-10-batches-py``; the synthetic one in
 Which one :func:`cifar10` returns: the real CIFAR-10 if it is in the data folder (intact),
 otherwise the synthetic one. Force a choice with ``source="real"`` or ``"synthetic"``, or
 the environment variable ``COURSE_CIFAR10=real`` / ``synthetic``. To get the real one,
-on a machine with network: ``course.data.cifar10(source="real", download=True)``.
+on a machine with network: ``course.training.data.cifar10(source="real", download=True)``.
 
 In a distributed job only one process should write files: wrap the call in
 :func:`rank0_first` (rank 0 prepares, the other ranks wait at a barrier, then read).
@@ -61,7 +61,7 @@ SYNTHETIC = f"synthetic-cifar10-v{VERSION}"  # sub-folder of the data folder for
 SOURCES = ("auto", "real", "synthetic")
 N_TRAIN, N_TEST, SEED = 2400, 500, 0
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def data_dir() -> Path:
@@ -218,12 +218,12 @@ class SyntheticCIFAR10(CIFAR10):
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"No synthetic CIFAR-10 in {folder} ({MANIFEST} not found). "
-                f"Make it with course.data.make_synthetic_cifar10({str(root)!r})."
+                f"Make it with course.training.data.make_synthetic_cifar10({str(root)!r})."
             ) from None
         except (OSError, ValueError, KeyError, TypeError):
             raise RuntimeError(
                 f"{folder / MANIFEST} is damaged, so the files cannot be checked. Nothing was changed. "
-                "Delete the folder and make the data again (course.data.make_synthetic_cifar10)."
+                "Delete the folder and make the data again (course.training.data.make_synthetic_cifar10)."
             ) from None
 
         missing = [name for name in files if not (folder / name).is_file()]
@@ -232,7 +232,7 @@ class SyntheticCIFAR10(CIFAR10):
             problems = [f"{name} is missing" for name in missing] + [f"{name} does not match its md5" for name in damaged]
             raise RuntimeError(
                 f"Synthetic CIFAR-10 in {folder} is damaged: {'; '.join(problems)}. Nothing was changed. "
-                "Delete the folder and make the data again (course.data.make_synthetic_cifar10)."
+                "Delete the folder and make the data again (course.training.data.make_synthetic_cifar10)."
             )
         # The only difference from CIFAR10: the checksums it verifies (instance attributes,
         # so the CIFAR10 class itself is untouched).
@@ -242,7 +242,7 @@ class SyntheticCIFAR10(CIFAR10):
         super().__init__(root, train=train, transform=transform, target_transform=target_transform, download=False)
 
     def download(self):
-        raise RuntimeError("Synthetic data is made, not downloaded: use course.data.make_synthetic_cifar10().")
+        raise RuntimeError("Synthetic data is made, not downloaded: use course.training.data.make_synthetic_cifar10().")
 
 
 def real_cifar10_present(root=None) -> bool:
@@ -271,7 +271,7 @@ def cifar10(train: bool = True, transform=None, root=None, source: str | None = 
         if not (real_is_there or download):
             raise RuntimeError(
                 f"The real CIFAR-10 is not in {root / FOLDER} (or is damaged). Download it with "
-                "course.data.cifar10(source='real', download=True) on a machine with network, "
+                "course.training.data.cifar10(source='real', download=True) on a machine with network, "
                 "or use the synthetic data (source='synthetic', or unset COURSE_CIFAR10)."
             )
         return CIFAR10(root, train=train, transform=transform, download=download)

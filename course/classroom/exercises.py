@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 ICONS = {"correct": "✅", "wrong": "❌", "todo": "✏️"}
-SOLUTIONS_FILE = Path(__file__).parent / "checks" / "solutions.json"
+SOLUTIONS_FILE = Path(__file__).parents[1] / "checks" / "solutions.json"
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,12 @@ class Exercise:
         self.judge = judge
         self.name = name
         self._hint = hint
-        self.finished = tuple(finished)  # the course's own versions of the answer (course.guard)
+        self.finished = tuple(finished)  # the course's own versions of the answer (course.classroom.guard)
         self.notebook = judge.__module__.rsplit(".nb", 1)[-1]  # "course.checks.nb02" -> "02"
 
     def __call__(self, *answers, **options) -> Feedback:
-        from course import guard
-        from course.launcher import WorkerError
+        from course.classroom import guard
+        from course.runtime.launcher import WorkerError
 
         if any(is_stub(a) for a in answers):
             feedback = todo()
@@ -202,13 +202,13 @@ def rank_failed(e) -> Feedback:
     """The feedback for a check whose launch failed in the student's code (a
     :class:`course.WorkerError` the check did not handle): which rank, the whole error, the
     student's line, and what a rank that died without a Python exception printed last."""
-    from course.launcher import WorkerTimeoutError
+    from course.runtime.launcher import WorkerTimeoutError
 
     if isinstance(e, WorkerTimeoutError):
         stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
         return replace(wrong(str(e).split("\n")[0]), details=stuck)
     reason = " ".join(e.reason.split())  # torch's messages go on in indented lines: one paragraph
-    if reason.startswith("FinishedVersionUsed: "):  # course.guard: not a crash, a verdict
+    if reason.startswith("FinishedVersionUsed: "):  # course.classroom.guard: not a crash, a verdict
         return Feedback("", "wrong", "not yet: " + reason.removeprefix("FinishedVersionUsed: "))
     where = f", in your code at {e.where}" if e.where else ""
     message = f"not yet: a rank failed: {reason} (rank {e.rank}{where})"
@@ -220,7 +220,7 @@ def rank_failed(e) -> Feedback:
 def exercise(name: str, hint: str, finished=()):
     """Decorator: turn ``judge(answer, ...) -> correct(...) | wrong(...)`` into an :class:`Exercise`.
     ``finished``: dotted names of the course's own versions of the answer, which the answer may
-    neither be nor call (:mod:`course.guard`)."""
+    neither be nor call (:mod:`course.classroom.guard`)."""
 
     def wrap(judge):
         return Exercise(judge, name, hint, finished)

@@ -1,7 +1,7 @@
 """Run launcher commands (torchrun, mpirun, ...) as process trees: bounded in time, leaving nothing behind.
 
-    >>> result = course.proctree.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-    ...                               "--nproc-per-node=2", "-m", "course.train"], timeout=120)
+    >>> result = course.runtime.proctree.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    ...                               "--nproc-per-node=2", "-m", "course.training.train"], timeout=120)
     >>> result.returncode, result.output.splitlines()[0]
 
 Why not ``subprocess.run(..., timeout=...)``? On timeout it kills the process it started,

@@ -1,4 +1,4 @@
-"""ZeRO-2 and ZeRO-3 (FSDP) by hand, one small step after ZeRO-1 (``course/zero.py``).
+"""ZeRO-2 and ZeRO-3 (FSDP) by hand, one small step after ZeRO-1 (``course/parallel/zero.py``).
 Notebook 11 derives these functions (a test checks they are the same code).
 
 Every trainable parameter is cut into N equal flat slices (the last one padded with zeros),

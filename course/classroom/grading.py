@@ -5,7 +5,7 @@ A student's notebook is untrusted code, and its printed ✅ proves nothing: a no
 redefine ``check``, patch ``course``, edit its stored outputs or delete a check cell. So the
 grader trusts nothing the notebook says about itself, only the answers it computes:
 
-1. **The judge starts first** (``python -m course.grading judge NN ...``, a process of its own):
+1. **The judge starts first** (``python -m course.classroom.grading judge NN ...``, a process of its own):
    it imports the course's checks before any student code runs, so what it judges with is
    the course as installed.
 2. **Each notebook runs in a fresh kernel** (nbclient), in a temporary folder, never in the
@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-ANSWERS_FILE = Path(__file__).parent / "checks" / "answers.json"
+ANSWERS_FILE = Path(__file__).parents[1] / "checks" / "answers.json"
 VERDICTS = {"correct": "correct", "wrong": "wrong", "todo": "not attempted", "error": "error"}
 ICONS = {"correct": "✅", "wrong": "❌", "not attempted": "✏️", "error": "💥"}
 COLUMNS = ["student", "notebook", "exercise", "title", "verdict", "feedback", "file"]
@@ -84,7 +84,7 @@ class Verdict:
 
 def exercise_table() -> dict:
     """{"03": {"file": "03_distributed_sampler.ipynb", "exercises": [{"check": ..., "answers": [names],
-    "check_cell": id, "answer_cells": [ids]}, ...]}}: see ``course.notebooks.exercise_answers``."""
+    "check_cell": id, "answer_cells": [ids]}, ...]}}: see ``course.classroom.notebooks.exercise_answers``."""
     return json.loads(ANSWERS_FILE.read_text(encoding="utf-8"))
 
 
@@ -180,7 +180,7 @@ def extraction_points(nb, exercises: list) -> dict:
     """{cell index: the exercises whose answers are taken out after that cell}: after the
     exercise's check cell, else after the last of its answer cells (found by cell id), else at
     the end (index None). Not simply at the end: some notebooks rebind an answer's name to the
-    course's own version after the exercise (``from course.zero import zero1_step``)."""
+    course's own version after the exercise (``from course.parallel.zero import zero1_step``)."""
     ids = {cell.get("id"): index for index, cell in enumerate(nb.cells)}
     points = {}
     for exercise in exercises:
@@ -208,7 +208,7 @@ def run_notebook(path: Path, exercises: list, limits: Limits) -> tuple[dict, str
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from nbclient.util import run_sync
 
-    from course import proctree
+    from course.runtime import proctree
 
     try:
         nb = nbformat.read(path, as_version=4)
@@ -348,7 +348,7 @@ class Judge:
 
     def __init__(self, numbers):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "course.grading", "judge", *numbers],
+            [sys.executable, "-m", "course.classroom.grading", "judge", *numbers],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
         )
         self.lines, self.lock = queue.Queue(), threading.Lock()  # one request at a time
@@ -410,7 +410,7 @@ def _judge_one(exercise, answers: str) -> dict:
             raise TypeError(f"expected a tuple of answers, got {type(loaded).__name__}")
     except BaseException as e:
         return {"status": "error", "message": f"the answer could not be loaded for judging: {type(e).__name__}: {e}"}
-    for answer in loaded:  # e.g. the notebook's own `from course.zero import zero1_step`, after the exercise
+    for answer in loaded:  # e.g. the notebook's own `from course.parallel.zero import zero1_step`, after the exercise
         module = getattr(answer, "__module__", None)
         if callable(answer) and isinstance(module, str) and module.split(".")[0] == "course":
             return {"status": "error", "message": f"the answer is the course's own {module}.{getattr(answer, '__qualname__', '')}, "
@@ -471,9 +471,9 @@ def _in_child(fn, timeout: float, keep_closed=()) -> dict:
 
 
 def serve(numbers) -> int:
-    """The judge (``python -m course.grading judge NN ...``): imports those notebooks' checks,
+    """The judge (``python -m course.classroom.grading judge NN ...``): imports those notebooks' checks,
     says hello (their titles) on stdout, then answers one JSON request per line of stdin."""
-    from course.exercises import Exercise
+    from course.classroom.exercises import Exercise
 
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
@@ -620,7 +620,7 @@ def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1) -> int
 def progress(paths=(), limits: Limits = Limits(), jobs: int = 1) -> int:
     """``python -m course progress``: the verdicts for your own notebooks (the saved files)."""
     if not paths:
-        from course.notebooks import STUDENT
+        from course.classroom.notebooks import STUDENT
 
         paths = [Path("notebooks") if Path("notebooks").is_dir() else STUDENT]
     notebooks = [p for path in map(Path, paths) for p in (sorted(path.glob("[0-9][0-9]_*.ipynb")) if path.is_dir() else [path])]
@@ -633,5 +633,5 @@ def progress(paths=(), limits: Limits = Limits(), jobs: int = 1) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["judge"]:
-        sys.exit("usage: python -m course.grading judge NN [NN ...]  (the grader starts this; see python -m course grade)")
+        sys.exit("usage: python -m course.classroom.grading judge NN [NN ...]  (the grader starts this; see python -m course grade)")
     sys.exit(serve(sys.argv[2:]))

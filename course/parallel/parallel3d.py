@@ -9,7 +9,7 @@ neighbours, on one node, where the links are fastest (TP talks in every layer). 
 order ``init_device_mesh(device, (dp, pp, tp))`` uses too.
 
 * **TP** (notebook 12): inside a stage, each block's attention heads and MLP are split over
-  the ``tp`` ranks with Megatron's column/row-parallel layers (``course.tensor_parallel``).
+  the ``tp`` ranks with Megatron's column/row-parallel layers (``course.parallel.tensor_parallel``).
 * **PP** (notebook 13): the blocks are cut into ``pp`` stages; the first stage also holds the
   embedding, the last the output layer and the loss. Micro-batches flow GPipe's way:
   activations forward with ``isend``, gradients back.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course.tensor_parallel import MLP, ParallelMLP, ParallelSelfAttention, SelfAttention
+from course.parallel.tensor_parallel import MLP, ParallelMLP, ParallelSelfAttention, SelfAttention
 
 VOCAB, DIM, HEADS, SEQ, LAYERS, BATCH = 32, 16, 4, 8, 2, 8  # the notebook's language model and batch
 
@@ -147,7 +147,7 @@ def train(rank, world_size, dp, pp, tp, steps=2, m=2, lr=0.2):
     """Train :class:`TinyLM` on the dp × pp × tp grid for ``steps`` SGD steps; return this rank's
     largest difference from one process's weights, the bytes it sent per dimension and its
     parameters' bytes."""
-    from course import wire
+    from course.observe import wire
 
     if dp * pp * tp != world_size:
         raise ValueError(f"dp * pp * tp = {dp * pp * tp}, but there are {world_size} ranks")

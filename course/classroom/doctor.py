@@ -65,7 +65,7 @@ def _ddp_trace(rank, world_size):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from course import tracing
+    from course.observe import tracing
 
     torch.manual_seed(rank)
     model = DDP(torch.nn.Linear(4, 2))
@@ -104,13 +104,13 @@ def doctor() -> int:
     ok &= _line(dist.is_gloo_available(), "gloo backend (CPU)")
     _line(None, "nccl backend (GPU)", str(dist.is_nccl_available()))
     _line(None, "mpi backend", f"{dist.is_mpi_available()} (pip wheels never include it; the course uses gloo under mpirun)")
-    from course.mpi import find_mpirun
+    from course.runtime.mpi import find_mpirun
 
     _line(None, "mpirun (notebook 05)", find_mpirun() or "not found: pip install mpich (part of the dev extra)")
     if not ok:
         return 1
 
-    from course.launcher import choose_start_method, launch
+    from course.runtime.launcher import choose_start_method, launch
 
     try:
         method, why = choose_start_method()
@@ -133,17 +133,17 @@ def doctor() -> int:
     seconds = time.perf_counter() - start
     ok &= _line(results == [3.0, 3.0], "2-rank gloo launch + all_reduce", f"{results} in {seconds:.2f} s")
 
-    # Notebooks 04, 05 and some exercise checks record collectives with course.tracing's
+    # Notebooks 04, 05 and some exercise checks record collectives with course.observe.tracing's
     # "traced" backend: it must see the all-reduce that DDP's C++ reducer issues.
     what = "traced backend sees DDP's collectives (notebooks 04, 05)"
     try:
-        import course.tracing  # registers "traced"
+        import course.observe.tracing  # registers "traced"
 
         (ops, grad0), (_, grad1) = launch(_ddp_trace, 2, backend="traced", show=None, timeout=60)
     except Exception as e:
         too_old = oldest and _version(torch.__version__) < _version(oldest)
         ok &= _line(False, what, f"{type(e).__name__}: {e}".splitlines()[0]
-                    + f" — Python {platform.python_version()} with torch {torch.__version__} cannot run course.tracing; "
+                    + f" — Python {platform.python_version()} with torch {torch.__version__} cannot run course.observe.tracing; "
                     + (f"install a supported torch (>= {oldest})" if too_old else "see README.md, Supported versions"))
     else:
         ok &= _line("all_reduce" in ops and torch.equal(grad0, grad1), what, ", ".join(ops))

@@ -1,6 +1,6 @@
 """Record every collective a process group runs, including the ones DDP issues from C++.
 
-    >>> from course import tracing                # registers the backend "traced"
+    >>> from course.observe import tracing                # registers the backend "traced"
     >>> def job(rank, world_size):
     ...     ddp = DDP(model)                       # any code: DDP, dist.all_reduce, ...
     ...     ...
