@@ -68,7 +68,7 @@ def test_mesh_groups_accepts_a_solution_in_any_order():
         (_only_mine, "cover every rank exactly once"),
         (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
         (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
-        (__import__("course.parallel.parallel3d").parallel3d.mesh_groups, "course's own"),
+        (__import__("course.parallel.parallel3d").parallel.parallel3d.mesh_groups, "course's own"),
     ],
 )
 def test_mesh_groups_rejects_wrong_answers(answer, hint):
