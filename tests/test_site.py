@@ -172,6 +172,11 @@ def _chapter(page, url, notebook):
         page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=plots.nth(i).element_handle(),
                                timeout=WAIT_MS)
 
+    # A check's verdict: its Markdown rendered, as in JupyterLab (bold, no ** shown).
+    verdict = page.locator(".cell_output", has_text="✅").first
+    assert verdict.locator("strong").first.inner_text().startswith("Exercise")
+    assert "**" not in verdict.inner_text()
+
     # An exercise: its stub shown, its solution folded until clicked.
     stub = page.locator("div.admonition.exercise").first
     assert "# ✏️ your" in stub.inner_text()
