@@ -79,3 +79,10 @@ def test_the_api_pages_document_every_module():
     for folder in site.API_FOLDERS:
         for module in (Path(site.ROOT) / "course" / folder).glob("[a-z]*.py"):
             assert f"\n.. automodule:: course.{folder}.{module.stem}\n" in pages[f"api/{folder}.md"]
+
+
+def test_a_notebook_without_a_title_is_refused(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("no heading here")])
+    nbformat.write(nb, tmp_path / "01_untitled.ipynb")
+    with pytest.raises(site.SiteError, match="01_untitled.ipynb has no title"):
+        site.chapter(tmp_path / "01_untitled.ipynb", tmp_path / "01_untitled.ipynb", tmp_path / "page.ipynb")

@@ -117,7 +117,9 @@ def chapter(solution: Path, student: Path, page: Path) -> nbformat.NotebookNode:
     outputs, links to the student version, exercises with their solutions hidden."""
     nb = nbformat.read(solution, as_version=4)
     cells = [c for c in nb.cells if c.get("id") not in ("colab-badge", "colab-install")]
-    title = next(c for c in cells if c.cell_type == "markdown" and c.source.startswith("# "))
+    title = next((c for c in cells if c.cell_type == "markdown" and c.source.startswith("# ")), None)
+    if title is None:
+        raise SiteError(f"{solution.name} has no title: a Markdown cell that starts with '# '")
     download = Path(os.path.relpath(student, page.parent)).as_posix()
     heading, _, rest = title.source.partition("\n")
     title.source = (f"{heading}\n\n:::{{container}} chapter-links\n"
@@ -267,7 +269,10 @@ def build(out: Path = OUT, solutions: Path = SOLUTIONS, students: Path = STUDENT
           quiet: bool = False) -> dict[str, int]:
     """Build the site into ``out``; return each chapter's size in bytes. Raises SiteError when
     Sphinx warns (a broken link or reference, a bad docstring) or a chapter is over budget."""
-    from sphinx.cmd.build import build_main
+    try:
+        from sphinx.cmd.build import build_main
+    except ImportError:
+        raise SiteError('the site\'s tools are not installed: pip install -e ".[site]" -c constraints.txt') from None
 
     out = Path(out).resolve()
     work = out.parent / f"{out.name}-src"
