@@ -356,36 +356,39 @@ def uninstall(undo: list):
         sys.meta_path.remove(_NoReload)
 
 
-def _kept(finished, answers, depth=2) -> list:
+def _kept(finished, answers) -> list:
     """Copies of the finished code (:func:`_is_copy`) kept as functions in the answers' modules or
-    the notebook's (``__main__``), in their containers, closures and defaults: reached by a name
-    the answer's code does not spell (``globals()[...]``), they refuse too when called."""
-    spaces = [getattr(a, "__globals__", None) for a in answers]
-    spaces.append(getattr(sys.modules.get("__main__"), "__dict__", None))
-    seen, todo, found = set(), [(s, depth) for s in spaces if isinstance(s, dict)], []
-    while todo:
-        obj, left = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, types.FunctionType):
-            if _is_copy(obj, finished):
-                found.append(obj)
-            inner = [c.cell_contents for c in obj.__closure__ or () if _full(c)] + list(obj.__defaults__ or ())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            inner = list(obj)[:1000]
-        elif isinstance(obj, dict):
-            inner = list(obj.values())[:1000] if left < depth else list(obj.values())  # a module: all of it
-        elif isinstance(obj, type):
-            inner = [getattr(v, "__func__", v) for v in vars(obj).values()]
-        else:
-            continue
-        if left > 0:
-            todo += [(x, left - 1) for x in inner if isinstance(x, _HOLDERS)]
+    the notebook's (``__main__``), or one step inside what they hold there (a container's items, a
+    function's closure and defaults, a class's methods): reached by a name the answer's code does
+    not spell (``globals()[...]``), they refuse too when called."""
+    files = {_own_code(f).co_filename for f in _functions(finished)} | {"<string>"}  # where a copy's code says it is from
+    spaces = {id(s): s for a in answers if isinstance(s := getattr(a, "__globals__", None), dict)}
+    main = getattr(sys.modules.get("__main__"), "__dict__", None)
+    spaces.update({id(main): main} if isinstance(main, dict) else {})
+    found = []
+    for space in spaces.values():
+        for value in list(space.values()):
+            try:
+                inside = _one_step_in(value)
+            except Exception:  # noqa: BLE001 - an object that will not say what it holds holds nothing here
+                inside = []
+            for obj in (value, *inside):
+                if (type(obj) is types.FunctionType and obj.__code__.co_filename in files
+                        and obj not in found and _is_copy(obj, finished)):
+                    found.append(obj)
     return found
 
 
-_HOLDERS = (types.FunctionType, list, tuple, set, frozenset, dict, type)  # what _kept looks into
+def _one_step_in(value) -> list:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(itertools.islice(value, 1000))
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), 1000))
+    if isinstance(value, types.FunctionType):
+        return [c.cell_contents for c in value.__closure__ or () if _full(c)] + list(value.__defaults__ or ())
+    if isinstance(value, type):
+        return [getattr(v, "__func__", v) for v in vars(value).values()]
+    return []
 
 
 class _NoReload:
