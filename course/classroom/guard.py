@@ -38,7 +38,7 @@ course's does compiles to (notebook 16's solution is, instruction for instructio
 Nor does it chase deliberate digging: a copy kept outside the answer's module and the notebook's
 and reached by a name the answer's code does not spell (``getattr(torch, "f" + "n")``), this
 module's private state, ``gc``. The course's promise is about the plausible wrong answers and
-every way to hand in the package's own code by a name (README, "however it is handed in").
+every way to hand in the package's own code (README's paragraph on checks says what is not refused).
 """
 
 from __future__ import annotations
