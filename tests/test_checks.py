@@ -27,7 +27,7 @@ def _exercise_namespace(nb):
             continue
         if "SOLUTION" in cell.source or "✏️ your" in cell.source:
             before = dict(namespace)
-            exec(cell.source, namespace)
+            exec(compile(cell.source, "<notebook cell>", "exec"), namespace)  # a cell's file, not exec's <string>
             answers |= {name for name in namespace if namespace[name] is not before.get(name)}
             continue
         try:
