@@ -184,8 +184,8 @@ def _judge_zero1(fn, world_size):
         return wrong("the weights differ from DDP + Adam: check how you copy the gathered vector back "
                      "(parameters in model.parameters() order, each p.numel() values, view_as(p)), "
                      "and that you gather shard itself (the updated weights), not its gradient.")
-    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP, with Adam's state for "
-                   f"{first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}.")
+    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP,\n"
+                   f"with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}.")
 
 
 # ------------------------------------------------------------------ Exercise 2 (the FSDP unit)
@@ -347,10 +347,10 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             if r["difference"] > 1e-6:
                 return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
                              "start from shard_parameters(model) and let the optimizer step on the shards.")
-    return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight: each unit whole only "
-                   "around its forward and from the start of its backward (no other unit's parameters whole then), "
-                   "every gradient reduce-scattered, no more bytes on the wire than the course's version, "
-                   "and the same weights as DDP + Adam.")
+    return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight:\n"
+                   "each unit whole only around its forward and from the start of its backward\n"
+                   "(no other unit's parameters whole then), every gradient reduce-scattered,\n"
+                   "no more bytes on the wire than the course's version, and the same weights as DDP + Adam.")
 
 
 # ------------------------------------------------------------------ Exercise 3 (the loss scaler)
@@ -454,8 +454,8 @@ def scaled_step(fn, world_sizes=(2, 3)):
             if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
                 return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
                              "(optimizer.zero_grad()), or they are added into the next step's.")
-    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN, each in another rank's slice: "
-                   "every rank skipped the same steps, with one scale.")
+    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN,\n"
+                   "each in another rank's slice: every rank skipped the same steps, with one scale.")
 
 
 # ------------------------------------------------------------------ Exercise 4
@@ -554,7 +554,7 @@ def bytes_per_rank(stage0, stage1, stage3):
     truth = measured_bytes()
     off = [(stage, kind) for stage in STAGES for kind in KINDS if predicted[stage][kind] != truth[stage][kind]]
     if not off:
-        return correct("rank 0's bytes for DDP, ZeRO-1 and FSDP2 on 4 ranks, all nine as measured.")
+        return correct("rank 0's bytes for DDP, ZeRO-1 and FSDP2 on 4 ranks,\nall nine as measured.")
     for stage, kind, value, hint in _plausible_mistakes():
         if (stage, kind) in off and predicted[stage][kind] == value:
             return wrong(f"stage {stage}, {kind}: {hint}")
@@ -623,4 +623,4 @@ def checkpoint_sequential(forward_calls, saved_kib):
             return wrong("the last segment has two blocks, each saving 144 KiB (its input, the GELU's input and output).")
         return wrong("count per block: checkpointed, its input (32 x 128 floats); normal, also the GELU's input and "
                      "output (32 x 512 floats each). Tensors shared between blocks count once.")
-    return correct(f"blocks 0 and 1 ran twice, 2 and 3 once; {kib:.0f} KiB saved instead of {4 * 144} KiB.")
+    return correct(f"blocks 0 and 1 ran twice, 2 and 3 once;\n{kib:.0f} KiB saved instead of {4 * 144} KiB.")
