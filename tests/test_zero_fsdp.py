@@ -20,7 +20,14 @@ import course.observe.memory
 import course.parallel.zero
 from course import launch
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
-from course.parallel.fsdp import compute_in, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
+from course.parallel.fsdp import (
+    compute_in,
+    fully_shard_by_hand,
+    gather_masters,
+    gather_parameter,
+    reduce_scatter_gradients,
+    shard_parameters,
+)
 from course.observe.memory import LiveBytes, bytes_per_rank, storage_bytes
 from course.classroom.notebooks import SOLUTIONS, definitions
 from course.parallel.zero import flat_padded, zero1_setup, zero1_step
@@ -110,6 +117,46 @@ def test_hand_written_zero1_equals_ddp_with_adam(world_size):
         assert torch.allclose(mine, ddp, atol=1e-6)
         assert (mine - start).abs().max() > 0.1  # and they really trained
         assert used == {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * math.ceil(P / world_size) + 4}
+
+
+def _frozen_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        model[0].bias.fill_(2.0)
+    model[0].bias.requires_grad_(False)  # frozen: 5 of the 53 values
+    return model
+
+
+def _zero1_with_a_frozen_parameter(rank, world_size, steps=3):
+    ddp = DDP(_frozen_model())
+    ddp_optimizer = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+    model = _frozen_model()
+    shard, optimizer = zero1_setup(model, torch.optim.AdamW, lr=0.1, weight_decay=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for m in (ddp, model):
+            m.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        ddp_optimizer.step()
+        zero1_step(model, shard, optimizer)
+    flat = torch.nn.utils.parameters_to_vector
+    return shard.numel(), model[0].bias.detach().clone(), flat(model.parameters()).detach(), flat(ddp.parameters()).detach()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero1_leaves_frozen_parameters_out_of_the_shard(world_size):
+    """A frozen parameter has no gradient (the step crashed on it) and must not be handed to the optimizer
+    even with a zero gradient: AdamW's weight decay would move it (2.0 -> 1.98 in one step, below)."""
+    for shard_numel, frozen, mine, ddp in launch(_zero1_with_a_frozen_parameter, world_size, show=None, timeout=120):
+        assert shard_numel == math.ceil(48 / world_size)  # the 48 trainable values only
+        assert torch.equal(frozen, torch.full((5,), 2.0))  # untouched by weight decay
+        assert torch.allclose(mine, ddp, atol=1e-6)  # and the rest trained as DDP + AdamW
+    zero_grad = nn.Parameter(torch.full((5,), 2.0))
+    zero_grad.grad = torch.zeros(5)
+    torch.optim.AdamW([zero_grad], lr=0.1, weight_decay=0.1).step()
+    assert torch.allclose(zero_grad.detach(), torch.full((5,), 1.98))  # why "give it a zero gradient" is wrong
 
 
 def test_flat_padded_pads_to_a_multiple_of_the_world_size():
@@ -344,6 +391,43 @@ def test_zero3_by_hand_computes_in_bfloat16_with_float32_masters():
     for r in launch(_by_hand_vs_ddp, 2, "blocks", 3, torch.bfloat16, show=None, timeout=120):
         assert r["dtypes"] == {torch.bfloat16} and r["master_dtypes"] == {torch.float32}
         assert 0 < r["difference"] < 0.1  # bfloat16 compute: close to float32 DDP, not equal
+
+
+def _masters(rank, world_size, kind):
+    model, units = _by_hand_models(kind)
+    shards = fully_shard_by_hand(model, units)
+    compute_in(model, shards, torch.bfloat16)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.05)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        optimizer.step()
+    names = dict(model.named_parameters())
+    mine = {name: shards[p].detach().clone() for name, p in names.items() if p in shards}
+    return gather_masters(model, shards), mine, {name: p.detach().clone() for name, p in names.items() if p not in shards}
+
+
+@needs_part_ii_torch
+@pytest.mark.parametrize("kind", ["frozen", "tied"])
+def test_gather_masters_gives_every_rank_the_whole_float32_masters(kind):
+    world_size = 3
+    results = launch(_masters, world_size, kind, show=None, timeout=120)
+    model, _ = _by_hand_models(kind)
+    assert list(results[0][0]) == [name for name, _ in model.named_parameters()]  # a tied weight once
+    for rank, (masters, mine, frozen) in enumerate(results):
+        for name, p in model.named_parameters():
+            master = masters[name]
+            assert master.shape == p.shape and torch.equal(master, results[0][0][name])  # whole, alike on all ranks
+            if name in mine:  # float32, and its slice r is rank r's shard
+                assert master.dtype == torch.float32
+                padded = nn.functional.pad(master.reshape(-1), (0, -master.numel() % world_size))
+                assert torch.equal(padded.chunk(world_size)[rank], mine[name])
+                assert not torch.equal(master, p.detach())  # trained, not the initial values
+            else:
+                assert torch.equal(master, frozen[name])  # frozen: as the model holds it (bfloat16 after compute_in)
+    assert (kind == "frozen") == bool(results[0][2])
 
 
 def _peak_of_a_gather(rank, world_size):

@@ -109,6 +109,21 @@ def fully_shard_by_hand(model, units):
     return shards
 
 
+def gather_masters(model, shards):
+    """{name: the whole parameter}, gathered from every rank's shards (one all-gather each) in the
+    shards' dtype: the float32 master weights even after :func:`compute_in`. Frozen parameters as
+    they are. Every rank gets all of it: to save a checkpoint, or to compare with another run."""
+    world_size, masters = dist.get_world_size(), {}
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        if p not in shards:
+            masters[name] = p.detach().clone()
+            continue
+        full = torch.empty(shards[p].numel() * world_size, dtype=shards[p].dtype)
+        dist.all_gather_into_tensor(full, shards[p].detach())
+        masters[name] = full[: p.numel()].view(p.shape)
+    return masters
+
+
 def compute_in(model, shards, dtype):
     """Mixed precision, after :func:`fully_shard_by_hand`: forward and backward run on copies in
     ``dtype`` (bfloat16, float16), made by the all-gather; the shards, the optimizer's state and

@@ -22,9 +22,10 @@ def flat_padded(tensors, world_size: int) -> torch.Tensor:
 
 
 def zero1_setup(model, optimizer_class, **options):
-    """This rank's slice of the flat parameters, and an optimizer that knows only it."""
+    """This rank's slice of the flat trainable parameters, and an optimizer that knows only it.
+    Frozen parameters (requires_grad=False) stay out: no gradient, and no weight decay moves them."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    flat = flat_padded(model.parameters(), world_size)
+    flat = flat_padded([p for p in model.parameters() if p.requires_grad], world_size)
     shard = nn.Parameter(flat.chunk(world_size)[rank].clone())
     return shard, optimizer_class([shard], **options)
 
@@ -33,7 +34,8 @@ def zero1_step(model, shard, optimizer):
     """After backward: average the gradients into this rank's slice (reduce-scatter),
     update the slice, and give every rank every updated slice (all-gather)."""
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    params = [p for p in model.parameters() if p.requires_grad]  # as zero1_setup flattened them
+    grads = flat_padded([p.grad for p in params], world_size)
     grad_shard = torch.empty_like(shard)
     dist.reduce_scatter_tensor(grad_shard, grads)  # the sum over ranks, of my slice only
     shard.grad = grad_shard / world_size
@@ -42,6 +44,6 @@ def zero1_step(model, shard, optimizer):
     dist.all_gather_into_tensor(flat, shard.detach())  # every rank's updated slice
     with torch.no_grad():
         offset = 0
-        for p in model.parameters():
+        for p in params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
