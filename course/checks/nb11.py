@@ -398,8 +398,8 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             if r["difference"] > 1e-6:
                 return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
                              "start from shard_parameters(model) and let the optimizer step on the shards.")
-    return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight:\n"
-                   "each unit whole only around its forward and from the start of its backward\n"
+    return correct("2 and 3 ranks, a frozen parameter, uneven shards\n"
+                   "and a tied weight: each unit whole only around its forward and from the start of its backward\n"
                    "(no other unit's parameters whole then), every gradient reduce-scattered\n"
                    "during backward, no more bytes on the wire than the course's version,\n"
                    "and the same weights as DDP + Adam." + ("" if measurable else NOT_MEASURED))
@@ -514,9 +514,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
             if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
                 return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
                              "(optimizer.zero_grad()), or they are added into the next step's.")
-    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN, in the first\n"
-                   "and in other shards, each in another rank's slice: every rank skipped the same steps,\n"
-                   "with one scale.")
+    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN,\n"
+                   "in the first and in other shards, each in another rank's slice: every rank skipped\n"
+                   "the same steps, with one scale.")
 
 
 # ------------------------------------------------------------------ Exercise 4
