@@ -1,6 +1,7 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3 by hand, FSDP2, bytes per rank (at rest and at the peak) and sharded
 checkpoints (notebook 11), on gloo/CPU."""
 
+import copy
 import inspect
 import math
 
@@ -91,18 +92,24 @@ def test_storage_bytes_counts_each_buffer_once():
 # ------------------------------------------------------------------ ZeRO-1 by hand == DDP + Adam
 
 
-def _zero1_and_ddp(rank, world_size, steps=3):
-    ddp_model = DDP(_model())
-    ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.05)
-    model = _model()
-    shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=0.05)
+def _zero1_beside_ddp(rank, make, data, optimizer_class, steps=3, **options):
+    """``steps`` steps of ZeRO-1 and of DDP beside it, on this rank's data: (model, DDP's, shard, optimizer)."""
+    ddp_model = DDP(make())
+    ddp_optimizer = optimizer_class([p for p in ddp_model.parameters() if p.requires_grad], **options)
+    model = make()
+    shard, optimizer = zero1_setup(model, optimizer_class, **options)
     for step in range(steps):
-        x, y = _data(10 * step + rank)  # different data on every rank
+        x, y = data(10 * step + rank)  # different data on every rank
         for m in (ddp_model, model):
             m.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
         ddp_optimizer.step()
         zero1_step(model, shard, optimizer)
+    return model, ddp_model, shard, optimizer
+
+
+def _zero1_and_ddp(rank, world_size):
+    model, ddp_model, _, optimizer = _zero1_beside_ddp(rank, _model, _data, torch.optim.Adam, lr=0.05)
     flat = torch.nn.utils.parameters_to_vector
     return flat(model.parameters()).detach(), flat(ddp_model.parameters()).detach(), bytes_per_rank(model, optimizer)
 
@@ -128,19 +135,14 @@ def _frozen_model():
     return model
 
 
-def _zero1_with_a_frozen_parameter(rank, world_size, steps=3):
-    ddp = DDP(_frozen_model())
-    ddp_optimizer = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
-    model = _frozen_model()
-    shard, optimizer = zero1_setup(model, torch.optim.AdamW, lr=0.1, weight_decay=0.1)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-        for m in (ddp, model):
-            m.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-        ddp_optimizer.step()
-        zero1_step(model, shard, optimizer)
+def _small_data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _zero1_with_a_frozen_parameter(rank, world_size):
+    model, ddp, shard, _ = _zero1_beside_ddp(rank, _frozen_model, _small_data, torch.optim.AdamW, lr=0.1,
+                                             weight_decay=0.1)
     flat = torch.nn.utils.parameters_to_vector
     return shard.numel(), model[0].bias.detach().clone(), flat(model.parameters()).detach(), flat(ddp.parameters()).detach()
 
@@ -157,6 +159,69 @@ def test_zero1_leaves_frozen_parameters_out_of_the_shard(world_size):
     zero_grad.grad = torch.zeros(5)
     torch.optim.AdamW([zero_grad], lr=0.1, weight_decay=0.1).step()
     assert torch.allclose(zero_grad.detach(), torch.full((5,), 1.98))  # why "give it a zero gradient" is wrong
+
+
+def _drop_in_model(repeat=True):
+    """A frozen bias, a weight tied between two layers, two param groups with options of their own;
+    with ``repeat`` the tied weight is listed in both (ZeroRedundancyOptimizer refuses that)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Linear(5, 3))
+    model[4].weight = model[2].weight
+    model[0].bias.requires_grad_(False)
+    first = list(model[0].parameters()) + list(model[2].parameters())
+    rest = [model[4].weight] * repeat + [model[4].bias] + list(model[5].parameters())  # counted once
+    return model, [{"params": first, "weight_decay": 0.1}, {"params": rest, "lr": 0.05}]
+
+
+def _drop_in_vs_zero_redundancy(rank, world_size, steps=3):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    reference, reference_groups = _drop_in_model(repeat=False)
+    ddp = DDP(reference)
+    theirs = ZeroRedundancyOptimizer(reference_groups, optimizer_class=torch.optim.AdamW, lr=0.1)
+    model, groups = _drop_in_model()
+    ours = course.parallel.zero.ShardedOptimizer(groups, torch.optim.AdamW, lr=0.1)
+    differences, batches = [], []
+    for step in range(steps + 1):
+        batches.append(_small_data(10 * step + rank))
+    for step, (x, y) in enumerate(batches[:steps]):
+        theirs.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        theirs.step()
+        ours.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        ours.step()
+        differences.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.parameters())))
+    # state_dict round trip: a fresh model and optimizer, loaded, take the next step exactly as the first
+    state = copy.deepcopy(ours.state_dict())  # as if saved: loading must not share tensors with `ours`
+    twin, twin_groups = _drop_in_model()
+    twin.load_state_dict(model.state_dict())
+    restored = course.parallel.zero.ShardedOptimizer(twin_groups, torch.optim.AdamW, lr=0.1)
+    restored.load_state_dict(state)
+    for m, o in ((model, ours), (twin, restored)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(batches[-1][0]), batches[-1][1]).backward()
+        o.step()
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    lrs = [g["lr"] for g in ours.param_groups]
+    return differences, model[0].bias.detach().clone(), reference[0].bias.detach().clone(), same, lrs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_optimizer_steps_like_zero_redundancy_optimizer(world_size):
+    for differences, frozen, their_frozen, same, lrs in launch(_drop_in_vs_zero_redundancy, world_size, show=None,
+                                                                timeout=120):
+        assert all(d < 1e-6 for d in differences), differences  # step for step, param groups' options included
+        assert torch.equal(frozen, their_frozen)  # the frozen bias untouched by weight decay, as theirs
+        assert same  # state_dict() -> load_state_dict() continues bit for bit
+        assert lrs == [0.1, 0.05]
+
+
+def test_sharded_optimizer_rejects_a_state_of_other_groups():
+    optimizer = object.__new__(course.parallel.zero.ShardedOptimizer)
+    optimizer.parts = [None]
+    with pytest.raises(ValueError, match="a state of 2 param groups for an optimizer of 1"):
+        optimizer.load_state_dict({"groups": [{}, {}]})
 
 
 def test_flat_padded_pads_to_a_multiple_of_the_world_size():

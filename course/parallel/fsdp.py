@@ -18,6 +18,7 @@ only the shards::
 * **Mixed precision** (:func:`compute_in`): the all-gather makes bfloat16 (or float16) copies
   to compute with; shards, optimizer state and gradient reduction stay float32. With float16,
   :func:`scaled_step` scales the loss and skips a step that overflowed, on every rank alike.
+* :func:`gather_masters` gives every rank the whole float32 master weights, by name.
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast

@@ -6,6 +6,9 @@ parameters only. Notebook 11 derives these functions (a test checks they are the
         model.zero_grad()
         loss(model(x), y).backward()        # plain backward: no DDP, no hooks
         zero1_step(model, shard, optimizer)  # reduce-scatter, Adam on the shard, all-gather
+
+Frozen parameters (``requires_grad=False``) stay out of the flat vector. :class:`ShardedOptimizer`
+packs the same step as an optimizer built like ``ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
@@ -47,3 +50,45 @@ def zero1_step(model, shard, optimizer):
         for p in params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+class ShardedOptimizer:
+    """ZeRO-1 as an optimizer, built like ``torch.distributed.optim.ZeroRedundancyOptimizer``:
+    ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)``, or a list of param group
+    dicts with options of their own. Unlike it, it runs on a plain model (no DDP): :meth:`step` is
+    :func:`zero1_step` per param group (reduce-scatter, step on this rank's slice, all-gather), and
+    it slices flat vectors, not whole tensors. Frozen parameters stay out; a parameter listed twice
+    (tied weights) counts once. Every trainable parameter must have a gradient when it steps.
+    ``state_dict()`` is this rank's slices' state: load it on as many ranks."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        seen, self.parts = set(), []
+        for group in groups:
+            options = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+            mine = nn.ParameterList([p for p in group["params"] if p.requires_grad and p not in seen])
+            seen.update(mine)
+            if len(mine):
+                shard, optimizer = zero1_setup(mine, optimizer_class, **options)
+                self.parts.append((mine, shard, optimizer))
+        self.param_groups = [g for _, _, optimizer in self.parts for g in optimizer.param_groups]
+
+    def zero_grad(self):
+        for params, _, _ in self.parts:
+            for p in params:
+                p.grad = None
+
+    def step(self):
+        for params, shard, optimizer in self.parts:
+            zero1_step(params, shard, optimizer)
+
+    def state_dict(self):
+        return {"groups": [optimizer.state_dict() for _, _, optimizer in self.parts]}
+
+    def load_state_dict(self, state):
+        if len(state["groups"]) != len(self.parts):
+            raise ValueError(f"a state of {len(state['groups'])} param groups for an optimizer of {len(self.parts)}")
+        for (_, _, optimizer), group_state in zip(self.parts, state["groups"]):
+            optimizer.load_state_dict(group_state)
