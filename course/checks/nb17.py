@@ -1,4 +1,4 @@
-"""Checks for notebook 16 (putting it together: 3-D parallelism, choosing a configuration)."""
+"""Checks for notebook 17 (putting it together: 3-D parallelism, choosing a configuration)."""
 
 import numbers
 

@@ -1,15 +1,15 @@
-"""Notebook 16's checks reject plausible wrong answers with a useful hint."""
+"""Notebook 17's checks reject plausible wrong answers with a useful hint."""
 
 import pytest
 
-from course.checks import nb16
+from course.checks import nb17
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 from course.parallel.planner import LLAMA3_8B, Config
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
 # activation coefficient is measured on this torch's kernels (torch 2.8's keep other tensors).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 
@@ -53,9 +53,9 @@ def _only_mine(dp, pp, tp):  # rank 0's groups only
 
 
 def test_mesh_groups_accepts_a_solution_in_any_order():
-    assert nb16.mesh_groups(_grid).status == "correct"
+    assert nb17.mesh_groups(_grid).status == "correct"
     reordered = lambda *shape: {dim: [list(reversed(g)) for g in reversed(gs)] for dim, gs in _grid(*shape).items()}  # noqa: E731
-    assert nb16.mesh_groups(reordered).status == "correct"
+    assert nb17.mesh_groups(reordered).status == "correct"
 
 
 @pytest.mark.parametrize(
@@ -68,16 +68,16 @@ def test_mesh_groups_accepts_a_solution_in_any_order():
         (_only_mine, "cover every rank exactly once"),
         (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
         (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
-        (__import__("course.parallel.parallel3d").parallel3d.mesh_groups, "course's own"),
+        (__import__("course.parallel.parallel3d").parallel.parallel3d.mesh_groups, "course's own"),
     ],
 )
 def test_mesh_groups_rejects_wrong_answers(answer, hint):
-    feedback = nb16.mesh_groups(answer)
+    feedback = nb17.mesh_groups(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
 def test_state_gb_accepts_the_answer():
-    assert nb16.state_gb((2 + 2 + 12 / 8) * LLAMA3_8B.params() / 1e9).status == "correct"
+    assert nb17.state_gb((2 + 2 + 12 / 8) * LLAMA3_8B.params() / 1e9).status == "correct"
 
 
 P = LLAMA3_8B.params()
@@ -101,14 +101,14 @@ P = LLAMA3_8B.params()
     ],
 )
 def test_state_gb_rejects_wrong_answers(answer, hint):
-    feedback = nb16.state_gb(answer)
+    feedback = nb17.state_gb(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
 def test_configuration_accepts_near_best_configurations():
-    assert nb16.configuration(Config(dp=8, tp=8, pp=1, zero=3)).status == "correct"
-    assert nb16.configuration(Config(dp=8, tp=8, pp=1, zero=2)).status == "correct"
-    assert nb16.configuration(Config(dp=4, tp=8, pp=2, zero=3)).status == "correct"  # 0.7% slower: accepted
+    assert nb17.configuration(Config(dp=8, tp=8, pp=1, zero=3)).status == "correct"
+    assert nb17.configuration(Config(dp=8, tp=8, pp=1, zero=2)).status == "correct"
+    assert nb17.configuration(Config(dp=4, tp=8, pp=2, zero=3)).status == "correct"  # 0.7% slower: accepted
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_configuration_accepts_near_best_configurations():
     ],
 )
 def test_configuration_rejects_wrong_answers(answer, hint):
-    feedback = nb16.configuration(answer)
+    feedback = nb17.configuration(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
