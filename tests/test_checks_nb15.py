@@ -8,11 +8,11 @@ from course.parallel import expert_parallel as ep
 from course.checks import nb15
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 # The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = [
-    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"),
+    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"),
     pytest.mark.usefixtures("judges_only"),
 ]
 

@@ -1,136 +1,168 @@
 """Notebook 16's checks reject plausible wrong answers with a useful hint."""
 
+import types
+
 import pytest
 
 from course.checks import nb16
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
-from course.parallel.planner import LLAMA3_8B, Config
+from course.parallel import schedules
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
-# activation coefficient is measured on this torch's kernels (torch 2.8's keep other tensors).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 
-def _grid(dp, pp, tp):  # the solution, written independently of the package
-    rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
-    return {
-        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
-    }
+def _rows(orders):
+    return [(r, s, op, i, c) for r, order in enumerate(orders) for s, (op, i, c) in enumerate(order)]
 
 
-def _tp_slowest(dp, pp, tp):  # rank = (t * pp + p) * dp + d: the dimensions in the wrong order
-    rank = lambda d, p, t: (t * pp + p) * dp + d  # noqa: E731
-    return {
-        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
-    }
+def _interleaved(warmup_of=None, reverse=True):
+    """Interleaved 1F1B written independently of the package, with a warm-up and backward order to vary."""
+
+    def table(p, m, v):
+        rounds = max(1, m // p)
+        size = -(-m // rounds)
+        starts = [sum(m // rounds + (j < m % rounds) for j in range(k)) for k in range(rounds + 1)]
+        fwd = [(i, c) for k in range(rounds) for c in range(v) for i in range(starts[k], starts[k + 1])]
+        chunks = (lambda v: reversed(range(v))) if reverse else range
+        bwd = [(i, c) for k in range(rounds) for c in chunks(v) for i in range(starts[k], starts[k + 1])]
+        orders = []
+        for r in range(p):
+            w = min(warmup_of(p, m, v, r, size) if warmup_of else (v - 1) * size + 2 * (p - 1 - r), m * v)
+            order = [("F", *f) for f in fwd[:w]]
+            for k in range(m * v - w):
+                order += [("F", *fwd[w + k]), ("B", *bwd[k])]
+            orders.append(order + [("B", *b) for b in bwd[m * v - w:]])
+        return _rows(orders)
+
+    return table
 
 
-def _hard_coded(dp, pp, tp):  # the 2 x 2 x 2 answer, copied from the printed table
-    return {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+def _zb(lag=lambda r: r, warmup=lambda p, r: p - r - 1, w_first=False):
+    """ZB-H1 written independently: rank r's W's lag ``lag(r)`` behind its B's."""
+
+    def table(p, m):
+        orders = []
+        for r in range(p):
+            ws = min(warmup(p, r), m)
+            order, due = [("F", i, 0) for i in range(ws)], 0
+            for i in range(m):
+                if ws + i < m:
+                    order.append(("F", ws + i, 0))
+                b = ("B", i, 0)
+                if i - due >= lag(r):
+                    order += [("W", due, 0), b] if w_first else [b, ("W", due, 0)]
+                    due += 1
+                else:
+                    order.append(b)
+            orders.append(order + [("W", i, 0) for i in range(due, m)])
+        return _rows(orders)
+
+    return table
 
 
-def _swapped(dp, pp, tp):  # dp and tp groups exchanged
-    g = _grid(dp, pp, tp)
-    return {"dp": g["tp"], "pp": g["pp"], "tp": g["dp"]}
+def _stub(p, m, v):
+    ...
 
 
-def _strided_pp(dp, pp, tp):  # pp groups stride by 1 instead of tp
-    g = _grid(dp, pp, tp)
-    g["pp"] = [list(range(start, start + pp)) for start in range(0, dp * pp * tp, pp)]
-    return g
+def _stub_zb(p, m):
+    ...
 
 
-def _only_mine(dp, pp, tp):  # rank 0's groups only
-    g = _grid(dp, pp, tp)
-    return {dim: groups[:1] for dim, groups in g.items()}
+def test_interleaved_accepts_a_right_answer_and_says_not_attempted_for_the_stub():
+    assert nb16.interleaved(_interleaved()).status == "correct"
+    # a shorter warm-up (1F1B's p - 1 - r below the rank) reaches the same bubble with less memory: accepted
+    assert nb16.interleaved(_interleaved(lambda p, m, v, r, size: (v - 1) * size + (p - 1 - r))).status == "correct"
+    assert nb16.interleaved(_stub).status == "todo"
 
 
-def test_mesh_groups_accepts_a_solution_in_any_order():
-    assert nb16.mesh_groups(_grid).status == "correct"
-    reordered = lambda *shape: {dim: [list(reversed(g)) for g in reversed(gs)] for dim, gs in _grid(*shape).items()}  # noqa: E731
-    assert nb16.mesh_groups(reordered).status == "correct"
+def _b_before_f(p, m, v):
+    rows = _interleaved()(p, m, v)
+    first = [row for row in rows if row[0] == 0 and row[2] == "B"][0]
+    return [(r, -1 if (r, op, i, c) == (0, *first[2:]) else s, op, i, c) for r, s, op, i, c in rows]
+
+
+def _torch_under_another_name(p, m, v):
+    """torch's own order (its _calculate_single_rank_operations, without building a stage), renamed."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, m // p)
+    fake = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    orders = []
+    for r in range(p):
+        actions = [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) if a is not None]
+        orders.append([("F" if a.computation_type.value == "F" else "B", a.microbatch_index, a.stage_index // p)
+                       for a in actions])
+    return _rows(orders)
+
+
+def test_torch_under_another_name_is_right_without_the_check():
+    """The wrong answer below is torch's real order: equal to the right table where torch accepts m."""
+    assert schedules.orders_of([schedules.Op(*r) for r in _torch_under_another_name(2, 4, 2)], 2) == \
+        schedules.orders_of(schedules.interleaved_1f1b(2, 4, 2), 2)
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_tp_slowest, "tp varies fastest"),
-        (_hard_coded, "(1, 2, 4)"),
-        (_swapped, "your tp groups are the dp groups"),
-        (_strided_pp, "pp groups should be"),
-        (_only_mine, "cover every rank exactly once"),
-        (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
-        (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
-        (__import__("course.parallel.parallel3d").parallel.parallel3d.mesh_groups, "course's own"),
+        (_b_before_f, "before its F"),
+        (_interleaved(reverse=False), "deadlocks"),  # backwards through the chunks in forward order
+        (_interleaved(lambda p, m, v, r, size: m * v), "holds up to"),  # every forward first: GPipe's memory
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * (1 - r)), "p = 4"),  # right for p = 2 only
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size), "idles"),  # no 1F1B warm-up below the rank
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * p + 2 * (p - 1 - r)), "p = 4, m = 6"),  # m % p == 0 only
+        (lambda p, m, v: _interleaved()(p, m, 1) if v == 1 else _interleaved()(p, m, 1)[:0], "missing"),
+        (_torch_under_another_name, "asks torch.distributed.pipelining"),
+        (schedules.interleaved_1f1b, "course's own finished version"),
+        (lambda p, m, v: _zb()(p, m), "no W"),
+        (lambda p, m, v: 1 / 0, "ZeroDivisionError"),
+        ((2, 4, 2), "write a function"),
     ],
 )
-def test_mesh_groups_rejects_wrong_answers(answer, hint):
-    feedback = nb16.mesh_groups(answer)
+def test_interleaved_rejects_wrong_answers(answer, hint):
+    feedback = nb16.interleaved(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_state_gb_accepts_the_answer():
-    assert nb16.state_gb((2 + 2 + 12 / 8) * LLAMA3_8B.params() / 1e9).status == "correct"
+def test_zero_bubble_accepts_a_right_answer_and_says_not_attempted_for_the_stub():
+    assert nb16.zero_bubble(_zb()).status == "correct"
+    assert nb16.zero_bubble(_stub_zb).status == "todo"
 
 
-P = LLAMA3_8B.params()
+def _torch_zb(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    fake = types.SimpleNamespace(n_local_stages=1, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m)
+    orders = [[({"F": "F", "I": "B", "W": "W"}[a.computation_type.value], a.microbatch_index, 0)
+               for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, r) if a is not None]
+              for r in range(p)]
+    return _rows(orders)
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (16 * P / 8 / 1e9, "ZeRO-3"),
-        (16 * P / 1e9, "one whole copy"),
-        ((2 + 12 / 8) * P / 1e9, "count both"),
-        (4 * P / 1e9, "count both"),
-        ((2 + 2 + 8 / 8) * P / 1e9, "fp32 master weights"),
-        ((2 + 2 + 12 / 8) * P / 2**30, "GiB"),
-        ((2 + 4 + 12 / 8) * P / 1e9, "fp32 gradients"),
-        (float("inf"), "answer with a number"),
-        (float("nan"), "answer with a number"),
-        (12.0, "see the hint"),
-        ("44", "answer with a number"),
-        (True, "answer with a number"),
+        (lambda p, m: _interleaved()(p, m, 1), "no W"),  # 1F1B
+        (_zb(w_first=True), "before its B"),
+        (_zb(lag=lambda r: 10**6), "holds up to"),  # every W at the end
+        (_zb(lag=lambda r: 0), "idles"),  # W right after B: 1F1B's bubble
+        (_zb(lag=lambda r: r, warmup=lambda p, r: 1 - r), "p = 4"),  # 1F1B's warm-up for p = 2 only
+        (_zb(warmup=lambda p, r: r), "deadlocks"),  # the warm-up reversed: rank 0 waits for a gradient of F1
+        (_torch_zb, "asks torch.distributed.pipelining"),
+        (schedules.zb_h1, "course's own finished version"),
     ],
 )
-def test_state_gb_rejects_wrong_answers(answer, hint):
-    feedback = nb16.state_gb(answer)
+def test_zero_bubble_rejects_wrong_answers(answer, hint):
+    feedback = nb16.zero_bubble(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_configuration_accepts_near_best_configurations():
-    assert nb16.configuration(Config(dp=8, tp=8, pp=1, zero=3)).status == "correct"
-    assert nb16.configuration(Config(dp=8, tp=8, pp=1, zero=2)).status == "correct"
-    assert nb16.configuration(Config(dp=4, tp=8, pp=2, zero=3)).status == "correct"  # 0.7% slower: accepted
+def test_torch_schedules_work_again_after_the_check():
+    from torch.distributed.pipelining import schedules as ts
 
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (Config(dp=64, zero=0), "more than the 72 GB"),  # plain DDP: 1.1 TB of state per GPU
-        (Config(dp=64, zero=3), "more than the 72 GB"),  # sharded state, but 80 layers of activations
-        (Config(dp=4, tp=4, pp=4, zero=2), "more than the 72 GB"),  # fits only with a GPT block's activations
-        (Config(dp=4, tp=16, zero=1), "spans nodes"),
-        (Config(dp=8, tp=4, pp=4, zero=1), "must use all 64 GPUs"),
-        (Config(dp=4, tp=2, pp=8, zero=1, micro_batch=3), "split over"),  # 512 sequences over 4 x 3
-        (Config(dp=64, zero=3, recompute=True), "the best configuration takes"),  # fits, slower
-        (Config(dp=8, tp=8, zero=3, recompute=True), "the best configuration takes"),  # needless recomputation
-        ((4, 4, 4), "answer with a Config"),
-    ],
-)
-def test_configuration_rejects_wrong_answers(answer, hint):
-    feedback = nb16.configuration(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
-
-
-@pytest.mark.parametrize("bad", [dict(dp=-64, tp=-1), dict(dp=64, zero=5), dict(dp=64, micro_batch=0), dict(dp=8.0)])
-def test_config_refuses_impossible_values(bad):
-    with pytest.raises(ValueError, match="Config:"):
-        Config(**bad)
+    before = ts.ScheduleInterleaved1F1B.__init__, ts._get_1f1b_rank_ops
+    nb16.zero_bubble(_torch_zb)
+    assert (ts.ScheduleInterleaved1F1B.__init__, ts._get_1f1b_rank_ops) == before
+    assert _torch_zb(2, 4) == _zb()(2, 4)  # torch's ZB order with one chunk per rank is ZB-H1's

@@ -17,9 +17,9 @@ from course.checks import nb15
 from course.classroom.notebooks import SOLUTIONS, definitions
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the same sums, perhaps in another order

@@ -25,7 +25,7 @@ def _exercises():
 
 
 GUARDED = sorted((ex for ex in _exercises() if ex.finished), key=lambda ex: (ex.notebook, ex.__name__))
-NEEDS_PART_II_TORCH = {"11", "14", "15", "16"}
+NEEDS_PART_II_TORCH = {"11", "14", "15", "16", "17"}
 
 
 def _skip_old_torch(ex):

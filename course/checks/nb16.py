@@ -1,139 +1,159 @@
-"""Checks for notebook 16 (putting it together: 3-D parallelism, choosing a configuration)."""
+"""Checks for notebook 16 (pipeline schedules: interleaved 1F1B and zero bubble)."""
 
-import numbers
+import contextlib
+import random
 
-import math
-
-from course.classroom import guard
 from course.classroom.exercises import correct, exercise, wrong
-from course.parallel.parallel3d import mesh_groups as reference_groups
-from course.parallel.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
+from course.parallel.pipeline import Deadlock
+from course.parallel.schedules import Op, ScheduleError, bubble_fraction, simulate
+
+
+class TorchScheduleUsed(RuntimeError):
+    """The answer built one of torch.distributed.pipelining's schedules."""
+
+
+TORCH_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                   "ScheduleDualPipeV", "ScheduleLoopedBFS", "Schedule1F1B", "ScheduleGPipe")
+
+
+@contextlib.contextmanager
+def torch_schedules_refused():
+    """While the answer runs, torch's schedules refuse to compute their order (``pipeline_order``):
+    the answer is meant to be the student's own generator, not torch's under another name."""
+    from torch.distributed.pipelining import schedules
+
+    def refuse(*args, **kwargs):
+        raise TorchScheduleUsed("torch.distributed.pipelining computed this schedule")
+
+    undo = []
+    for name in TORCH_SCHEDULES:
+        cls = getattr(schedules, name, None)
+        for attribute in ("__init__", "_calculate_single_rank_operations"):
+            if cls is not None and attribute in vars(cls):
+                undo.append((cls, attribute, vars(cls)[attribute]))
+                setattr(cls, attribute, refuse)
+    undo.append((schedules, "_get_1f1b_rank_ops", schedules._get_1f1b_rank_ops))
+    schedules._get_1f1b_rank_ops = refuse
+    try:
+        yield
+    finally:
+        for owner, attribute, value in reversed(undo):
+            setattr(owner, attribute, value)
+
+
+def _table(fn, *args):
+    """The answer's table as Op rows, or a wrong(...) saying why not."""
+    try:
+        with torch_schedules_refused():
+            table = fn(*args)
+        return [Op(*(int(x) if k != 2 else str(x) for k, x in enumerate(row))) for row in table]
+    except TorchScheduleUsed:
+        return wrong("your function asks torch.distributed.pipelining for its schedule (pipeline_order): the "
+                     "check runs *your* generator; the notebook compares with torch's afterwards.")
+    except Exception as e:
+        return wrong(f"for {args} your function raised {type(e).__name__}: {e}. Return a list of "
+                     "(rank, slot, op, mb, chunk) rows.")
+
+
+def _judge(table, p, m, v, promise, law, name):
+    """wrong(...) if the table does not run, holds more than ``promise(r)`` activations on a rank,
+    or idles more than ``law``; else None."""
+    where = f"p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+    try:
+        timeline = simulate(table, p, m, v)
+    except ScheduleError as e:
+        return wrong(f"{where}: {e}.")
+    except Deadlock as e:
+        return wrong(f"{where}: the schedule deadlocks: {e}. A rank that starts a backward too early waits for a "
+                     "gradient whose forward it has not sent yet: warm up with more forwards.")
+    for r, held in enumerate(timeline.peak):
+        if held > promise(r):
+            return wrong(f"{where}: rank {r} holds up to {held} chunk activations at once; {name} promises at most "
+                         f"{promise(r)}. Too many forwards before the first backward?")
+    if law is not None and timeline.bubble > law + 1e-9:
+        return wrong(f"{where}: the pipeline idles {timeline.bubble:.3f} of the step, {name}'s law says "
+                     f"{law:.3f}. The ranks wait for each other: which action could run earlier?")
+    return None
+
+
+def _random_point(points, draw):
+    while (point := draw()) in points:
+        pass
+    return [*points, point]
+
 
 # ------------------------------------------------------------------ Exercise 1
 
-# Shapes (dp, pp, tp) the answer must get right: a 2 x 2 x 2 answer written out by hand fails the others,
-# and the uneven ones tell the dimensions apart.
-SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 2), (1, 1, 1)]
+# (p, m, v): m a multiple of p and not, v from 1 to 4, m < p; the law is checked where m >= p.
+INTERLEAVED = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 6, 2), (2, 5, 3), (3, 7, 2), (4, 4, 4), (3, 2, 2), (2, 3, 1)]
 
 
-def _canonical(answer):
-    return {dim: sorted(sorted(g) for g in answer.get(dim, [])) for dim in ("dp", "pp", "tp")}
-
-
-@exercise(
-    "Exercise 1 (mesh_groups)",
-    hint="a rank's coordinates are d = rank // (pp * tp), p = rank // tp % pp, t = rank % tp. A group of one "
-    "dimension is the ranks whose *other two* coordinates are equal: loop over the other two, vary this one.",
-    finished=("course.parallel.parallel3d.mesh_groups",),
-)
-def mesh_groups(fn):
-    """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
-    for shape in SHAPES:
-        try:
-            answer = fn(*shape)
-        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
-            return wrong(f"mesh_groups{shape} raised {type(e).__name__}: {e}")
-        if not isinstance(answer, dict) or set(answer) != {"dp", "pp", "tp"}:
-            return wrong('return a dict with the keys "dp", "pp" and "tp", each a list of lists of ranks.')
-        got, expected = _canonical(answer), _canonical(guard.original(reference_groups)(*shape))
-        if got == expected:
-            continue
-        dp, pp, tp = shape
-        for dim in ("dp", "pp", "tp"):
-            if got[dim] != expected[dim]:
-                size = {"dp": dp, "pp": pp, "tp": tp}[dim]
-                groups = got[dim]
-                if sorted(r for g in groups for r in g) != list(range(dp * pp * tp)):
-                    return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups must cover every rank exactly once: "
-                                 f"you gave {groups}.")
-                if any(len(g) != size for g in groups):
-                    return wrong(f"for (dp, pp, tp) = {shape} each {dim} group has {size} ranks (one per {dim} "
-                                 f"coordinate); you gave {groups}.")
-                if got["tp"] == expected["dp"] or got["dp"] == expected["tp"]:
-                    return wrong("your tp groups are the dp groups: tp varies fastest (neighbouring ranks, one node), "
-                                 "dp slowest.")
-                return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups should be {expected[dim]}, not {groups}.")
-    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes, from 1 x 1 x 1 to 4 x 2 x 1: "
-                   "the same lists DeviceMesh made on 8 ranks above.")
-
-
-# ------------------------------------------------------------------ Exercise 3
-
-MODEL2, CLUSTER2, BATCH2, SEQ2 = LLAMA3_70B, Cluster(64), 512, 8192
-WITHIN = 1.05  # the answer's step time may be 5% above the best configuration's
+def _first_round(p, m):
+    rounds = max(1, m // p)
+    return -(-m // rounds)  # the size of the first round of micro-batches
 
 
 @exercise(
-    "Exercise 3 (a configuration for Llama-3 70B on 64 GPUs)",
-    hint="start from what must fit: 16 bytes per parameter is 1.1 TB, so the state must be split at least 16 "
-    "ways (tp x pp, and ZeRO over dp); then the activations of 80 layers of 8192 tokens, which only TP (with "
-    "sequence parallelism), PP or recomputation shrink. Keep TP inside a node (<= 8), and look at "
-    "memory(...) and step_time(...) of your candidates.",
+    "Exercise 1 (interleaved 1F1B)",
+    hint="list the forwards of a rank in the order it runs them: a round of micro-batches through chunk 0, then "
+    "the same round through chunk 1, ... The backwards go the same way, chunks reversed. Rank r warms up with "
+    "(v - 1) * (round size) + 2 * (p - 1 - r) forwards, then alternates F and B, then runs the backwards left.",
+    finished=("course.parallel.schedules.interleaved_1f1b",),
 )
-def configuration(config):
-    """Exercise 3: a Config for Llama-3 70B on 64 H100s (8 per node), 512 sequences of 8192 tokens per step."""
-    if not isinstance(config, Config):  # Config itself refuses sizes < 1 and ZeRO stages other than 0-3
-        return wrong("answer with a Config(dp=..., tp=..., pp=..., zero=..., micro_batch=..., recompute=...).")
-    if config.gpus != CLUSTER2.gpus:
-        return wrong(f"dp x tp x pp x cp = {config.gpus}: it must use all {CLUSTER2.gpus} GPUs.")
-    if config.tp > CLUSTER2.per_node:
-        return wrong(f"tp = {config.tp} spans nodes: TP talks in every layer and needs NVLink, {CLUSTER2.per_node} "
-                     "GPUs per node.")
-    if not valid(MODEL2, CLUSTER2, config, BATCH2):
-        return wrong(f"{MODEL2.heads} heads ({MODEL2.kv_heads} K/V heads) must split over tp, {MODEL2.layers} layers "
-                     f"over pp, and the {BATCH2} sequences over dp x micro_batch.")
-    used = memory(MODEL2, config, SEQ2, BATCH2)
-    if not fits(MODEL2, CLUSTER2, config, SEQ2, BATCH2):
-        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in used.items())
-        return wrong(f"it needs {sum(used.values()) / 1e9:.0f} GB per GPU ({parts} GB): more than the "
-                     f"{CLUSTER2.usable * CLUSTER2.memory / 1e9:.0f} GB of 80 the model lets a configuration fill.")
-    best = candidates(MODEL2, CLUSTER2, BATCH2, SEQ2)[0]
-    time, best_time = (step_time(MODEL2, CLUSTER2, c, SEQ2, BATCH2) for c in (config, best))
-    if time["total"] > WITHIN * best_time["total"]:
-        slow = max((k for k in time if k != "total"), key=lambda k: time[k] - best_time[k])
-        return wrong(f"it fits ({sum(used.values()) / 1e9:.0f} GB), but the model gives {time['total']:.1f} s per step "
-                     f"where the best configuration takes {best_time['total']:.1f} s; most of the extra time is "
-                     f"'{slow}' ({time[slow]:.1f} s vs {best_time[slow]:.1f} s).")
-    return correct(f"{sum(used.values()) / 1e9:.0f} GB per GPU and {time['total']:.1f} s per step by the model, within "
-                   f"{100 * (WITHIN - 1):.0f}% of the best it finds ({best_time['total']:.1f} s).")
+def interleaved(fn):
+    """Exercise 1: the interleaved 1F1B table for p ranks, m micro-batches, v chunks per rank."""
+    if not callable(fn):
+        return wrong("write a function of (p, m, v) that returns the table: a list of (rank, slot, op, mb, chunk).")
+    cases = _random_point(INTERLEAVED, lambda: (random.randint(2, 5), random.randint(2, 12), random.randint(2, 3)))
+    for p, m, v in cases:
+        table = _table(fn, p, m, v)
+        if not isinstance(table, list):
+            return table
+        if any(row.op == "W" for row in table):
+            return wrong("interleaved 1F1B has whole backwards (B), no W: that is Exercise 2.")
+        warmup = lambda r: min((v - 1) * _first_round(p, m) + 2 * (p - 1 - r), m * v)  # noqa: B023, E731
+        law = bubble_fraction("interleaved", p, m, v) if m >= p else None
+        verdict = _judge(table, p, m, v, lambda r: warmup(r) + 1, law, "interleaved 1F1B")  # noqa: B023
+        if verdict is not None:
+            return verdict
+    return correct(
+        f"{len(cases)} pipelines (p, m, v) from (2, 3, 1) to (4, 4, 4), m a multiple of p or not, and one drawn at "
+        "random: every action once, each B after its F, no deadlock, no rank over its promised activations, and "
+        f"the bubble of the law (p - 1) / (v m + p - 1): {bubble_fraction('interleaved', 4, 8, 2):.3f} for "
+        f"p = 4, m = 8, v = 2, where 1F1B idles {bubble_fraction('1f1b', 4, 8):.3f}."
+    )
 
 
 # ------------------------------------------------------------------ Exercise 2
 
-CONFIG3 = Config(dp=8, zero=1)
-
-
-def _is_number(answer):
-    return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
+ZERO_BUBBLE = [(2, 4), (4, 8), (3, 5), (4, 6), (3, 3), (2, 7), (4, 2)]
 
 
 @exercise(
-    "Exercise 2 (where the memory goes)",
-    hint="per parameter: bf16 weights (2 bytes) and bf16 gradients (2 bytes) on every rank, fp32 master weights "
-    "and Adam's two moments (12 bytes) split over the 8 data-parallel ranks by ZeRO-1.",
+    "Exercise 2 (ZB-H1)",
+    hint="start from 1F1B (rank r warms up with p - r - 1 forwards), split each backward into B and W, and "
+    "let rank r run W right after B except for its first r W's, which go to the end, where its bubble was.",
+    finished=("course.parallel.schedules.zb_h1",),
 )
-def state_gb(answer):
-    """Exercise 2: GB per GPU of parameters + gradients + optimizer state, Llama-3 8B, Config(dp=8, zero=1)."""
-    if not _is_number(answer) or not math.isfinite(answer):
-        return wrong("answer with a number of gigabytes (1 GB = 1e9 bytes).")
-    p = LLAMA3_8B.params()
-    parts = memory(LLAMA3_8B, CONFIG3, 8192, 512)
-    expected = (parts["parameters"] + parts["gradients"] + parts["optimizer"]) / 1e9
-    close = lambda value: abs(answer - value) <= 0.01 * value  # noqa: E731
-    if close(expected):
-        return correct(f"(2 + 2 + 12/8) bytes x {p / 1e9:.2f}e9 parameters = {expected:.1f} GB: the activations "
-                       "must fit in what is left.")
-    if close(16 * p / 8 / 1e9):
-        return wrong("that splits everything over the 8 ranks (ZeRO-3). ZeRO-1 splits only the optimizer state.")
-    if close(16 * p / 1e9):
-        return wrong("that is one whole copy of everything: ZeRO-1 splits the optimizer state over the 8 ranks.")
-    if close((2 + 12 / 8) * p / 1e9) or close((2 + 2) * p / 1e9):
-        return wrong("count both the bf16 weights and the bf16 gradients, and the sharded fp32 master weights + Adam.")
-    if close((2 + 4 + 12 / 8) * p / 1e9):
-        return wrong("that counts fp32 gradients (as frameworks that accumulate in fp32 do): here the gradients "
-                     "are bf16, 2 bytes, as the exercise says.")
-    if close((2 + 2 + 8 / 8) * p / 1e9):
-        return wrong("the optimizer state also holds fp32 master weights (4 bytes), beside Adam's two moments (8).")
-    if abs(answer - expected * 1e9 / 2**30) <= 0.01 * answer:
-        return wrong("that is in GiB (2**30 bytes): answer in GB, 1e9 bytes.")
-    return wrong("not the bytes of ZeRO-1 state per GPU: see the hint.")
+def zero_bubble(fn):
+    """Exercise 2: the ZB-H1 table (F, B, W) for p ranks and m micro-batches, one chunk per rank."""
+    if not callable(fn):
+        return wrong("write a function of (p, m) that returns the table: a list of (rank, slot, op, mb, chunk).")
+    cases = _random_point(ZERO_BUBBLE, lambda: (random.randint(2, 6), random.randint(2, 12)))
+    for p, m in cases:
+        table = _table(fn, p, m)
+        if not isinstance(table, list):
+            return table
+        if not any(row.op == "W" for row in table):
+            return wrong(f"p = {p}, m = {m}: no W in your table: without the split backward it is 1F1B. "
+                         "Split each B into B (input gradient) and W (weight gradient).")
+        law = bubble_fraction("zb-h1", p, m) if m >= p else None
+        verdict = _judge(table, p, m, 1, lambda r: min(p, m), law, "ZB-H1 (as 1F1B's rank 0)")  # noqa: B023
+        if verdict is not None:
+            return verdict
+    return correct(
+        f"{len(cases)} pipelines (p, m) from (2, 4) to (4, 8), m < p too, and one drawn at random: every F, B "
+        "and W once, in order, no deadlock, no rank over p activations (1F1B's first rank), and the bubble "
+        f"(p - 1) / (3 m + p - 1): {bubble_fraction('zb-h1', 4, 8):.3f} for p = 4, m = 8 "
+        f"(1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
+    )

@@ -1,8 +1,8 @@
-"""A model of memory and communication per GPU, for choosing a parallel configuration (notebook 16).
+"""A model of memory and communication per GPU, for choosing a parallel configuration (notebook 17).
 
 Everything here is a **model**: formulas built from the laws notebooks 10–15 measured, with
 their assumptions written down, so they can be checked against small runs before they are
-trusted for big ones (notebook 16 does that on 8 ranks).
+trusted for big ones (notebook 17 does that on 8 ranks).
 
 Assumptions (change them by changing the arguments):
 
