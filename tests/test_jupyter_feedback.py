@@ -197,7 +197,7 @@ def _kernel_children(km):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start_method, presses", [("fork", 50), ("forkserver", 20), ("spawn", 8)])
+@pytest.mark.parametrize("start_method, presses", [("fork", 50), ("forkserver", 20), ("spawn", 4)])
 def test_an_interrupt_anywhere_in_a_cell_of_short_launches_ends_in_one_line(kernel, start_method, presses):
     """Kernel > Interrupt (SIGINT to the kernel's process group, as jupyter_client and JupyterLab
     send it) at ``presses`` instants spread over the short launches: each time the one line, each
