@@ -293,8 +293,8 @@ def test_printed_lines_fit_the_output_area(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_solutions_carry_no_empty_outputs(name):
-    """course.launch's live display is emptied when the launch ends; the build drops an emptied one
-    (notebooks.execute): none is stored."""
+    """course.launch's live display is created only when it has something to show and emptied at
+    the end; the build drops an emptied one (notebooks.execute): none is stored."""
     _skip_if_edited_elsewhere(name)
     nb = nbformat.read(SOLUTIONS / name, as_version=4)
     empty = [cell.get("id") for cell in nb.cells if cell.cell_type == "code"
