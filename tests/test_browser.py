@@ -6,7 +6,8 @@ temporary folder: JupyterLab's autosave must not touch notebooks/) and checks wh
 * a launch cell shows a rank's line in the live display while the cell still runs;
 * an exercise check, ``hint()`` and ``solution()`` render as Markdown: code as code, emphasis as
   emphasis, words never broken (the solution's code scrolls in a narrow window), its code highlighted;
-* Kernel > Interrupt during a launch ends in one line, with each rank's output shown once.
+* Kernel > Interrupt during a launch ends in one line, with each rank's output shown once; so does
+  an interrupt that lands as a cell of short launches starts its next launch (issue 39).
 
 Skipped, saying why, where Playwright or Chromium is missing (``.ci/run`` installs both and sets
 COURSE_REQUIRE_BROWSER, which turns the skip into an error). About a minute (the kernel imports
@@ -66,6 +67,13 @@ def long_job(rank, world_size):
     print("working", flush=True)
     time.sleep(300)
 course.launch(long_job, 2, timeout=600)"""
+SHORT_LAUNCHES = """\
+def short(rank, world_size, i):
+    print("launch", i, flush=True)
+    time.sleep(1)
+course.launch(short, 2, 0)
+course.launch(short, 2, 1)
+course.launch(short, 2, 2)"""
 
 
 def _free_port():
@@ -80,7 +88,7 @@ def lab(tmp_path):
     (url of the notebook, the go file). No user settings, no news popup, nothing left running."""
     nb = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
     go = tmp_path / "go"
-    for source in (SLOW_LAUNCH.format(go=str(go)), WRONG_ANSWER, HINT, SOLUTION, LONG_LAUNCH):
+    for source in (SLOW_LAUNCH.format(go=str(go)), WRONG_ANSWER, HINT, SOLUTION, LONG_LAUNCH, SHORT_LAUNCHES):
         nb.cells.append(nbformat.v4.new_code_cell(source))
     served = tmp_path / "served"
     served.mkdir()
@@ -182,7 +190,7 @@ def _session(page, url, go):
 
     sources = [c.source for c in nbformat.read(Path(go.parent, "served", NOTEBOOK), as_version=4).cells]
     assert page.locator(".jp-Notebook .jp-Cell").count() == len(sources)
-    first_test_cell = len(sources) - 5
+    first_test_cell = len(sources) - 6  # the cells the lab fixture appended
     imports = next(i for i, s in enumerate(sources) if s.startswith("import inspect"))
     check_cell = next(i for i, s in enumerate(sources) if s.startswith("from course.checks import nb10 as check"))
     for index in (imports, check_cell - 1, check_cell):  # the imports, Exercise 1's stubs, its check
@@ -244,3 +252,13 @@ def _session(page, url, go):
     assert output.count("[rank 0] working") == 1 and output.count("[rank 1] working") == 1, output
     assert "⏹ KeyboardInterrupt: interrupted after" in output and "stopped all 2 ranks" in output, output
     assert "Traceback" not in output and "launcher.py" not in output, output
+
+    # The toolbar's Interrupt the moment the first launch's output shows: the next launch is starting.
+    shorts = _run(page, first_test_cell + 5)
+    shorts.locator(".jp-OutputArea-output", has_text="[rank 1] launch 0").wait_for(timeout=WAIT_MS)
+    page.locator("jp-button[data-command='notebook:interrupt-kernel'], button[data-command='notebook:interrupt-kernel']").first.click()
+    _finished(shorts)
+    output = shorts.locator(".jp-OutputArea").inner_text()
+    assert output.count("[rank 0] launch 0") == 1 and output.count("[rank 1] launch 1") <= 1, output
+    assert "⏹ KeyboardInterrupt: interrupted after" in output, output
+    assert "Traceback" not in output and "Exception ignored" not in output, output

@@ -137,6 +137,48 @@ def test_a_rank_killed_by_a_signal_shows_what_it_printed_last():
     assert any(reason in repr(feedback) for reason in gloo_reason) and "```text" in feedback._repr_markdown_()
 
 
+@exercise("Exercise 8 (calls the answer)", hint="add the two numbers.")
+def _calls_the_answer(fn):
+    return correct() if fn(2, 3) == 5 else wrong("not 5.")
+
+
+def _with_a_typo(a, b):
+    total = a + b
+    return totl  # noqa: F821 (the student's typo)
+
+
+def _calls_a_helper(a, b):
+    return _with_a_typo(a, b)
+
+
+@pytest.mark.parametrize("answer, error", [
+    (_with_a_typo, "NameError: name 'totl' is not defined"),
+    (_calls_a_helper, "NameError: name 'totl' is not defined"),
+    (lambda a, b: [a][b], "IndexError: list index out of range"),
+    (lambda a: a, "TypeError: <lambda>() takes 1 positional argument but 2 were given"),
+])
+def test_an_answer_that_raises_in_the_check_is_a_verdict_showing_the_students_line_and_a_hint(answer, error):
+    """Raised in the check's process, not on a rank: ❌ with the exception, the innermost line of the
+    student's own code and the hint; no frame of the course's (exercises.py, checks, guard)."""
+    feedback = _calls_the_answer(answer)
+    assert feedback.status == "wrong" and error in feedback.message, feedback.message
+    assert feedback.message.endswith("Hint: add the two numbers."), feedback.message
+    if answer.__name__ != "<lambda>" or "Index" in error:
+        line = _with_a_typo.__code__.co_firstlineno + 2 if answer.__name__ != "<lambda>" else None
+        where = f"{__file__}, line {line}, in _with_a_typo" if line else f"{__file__}, line"
+        assert f"in your code at {where}" in feedback.message, feedback.message
+    shown = repr(feedback) + feedback._repr_markdown_()
+    assert not any(internal in shown for internal in ("exercises.py", "guard.py", "course/checks", "Traceback"))
+
+
+def test_an_exception_with_no_frame_of_the_students_is_the_checks_own_bug_and_raises():
+    import json
+
+    broken = Exercise(json.loads, "Exercise 7 (a check that fails in library code only)", hint="-")
+    with pytest.raises(json.JSONDecodeError):
+        broken("not JSON")
+
+
 def test_wrong_and_correct_unchanged():
     assert repr(wrong("x")) == "❌ : not yet. Hint: x"
     assert repr(correct()) == "✅ : correct!"

@@ -133,6 +133,22 @@ def test_a_failing_rank_in_a_check_names_the_cell_line_and_renders_as_markdown(k
     assert rich.startswith("❌ **Exercise 2 (ring all-reduce)**:") and "\\<class 'list'\\>" in rich and "`tensor`" in rich
 
 
+def test_an_answer_that_raises_inside_a_check_is_a_verdict_with_the_cell_line(kernel):
+    """Notebook 15's bytes_sent with a typo: the check calls it in the kernel (not on a rank). A ❌
+    verdict with the NameError, the cell's line and the hint; not a traceback through the course."""
+    define = ("def bytes_sent(send_counts, rank, dim):\n"
+              "    to_others = send_counts[rank].sum() - send_counts[rank, rank]\n"
+              "    return int(to_other) * dim * 4\n")
+    messages = _run(kernel, define)
+    count = next(c["execution_count"] for _, kind, c in messages if kind == "execute_input")
+    messages = _run(kernel, "from course.checks import nb15\nnb15.bytes_sent(bytes_sent)")
+    assert not [c for _, kind, c in messages if kind == "error"]
+    plain = next(c["data"] for _, kind, c in messages if kind == "execute_result")["text/plain"]
+    assert plain.startswith("❌ Exercise 2 (bytes sent): not yet: your code raised NameError: name 'to_other' is not "
+                            f"defined (in your code at Cell In[{count}], line 3, in bytes_sent). Hint: "), plain
+    assert not any(internal in plain for internal in ("exercises.py", "nb15.py", "guard", "Traceback")), plain
+
+
 def test_nbval_compares_a_verdicts_plain_text_not_its_markdown(tmp_path):
     """A stored verdict made before verdicts had a Markdown form (text/plain only, as every solution
     notebook's) still compares equal; a different plain text still fails."""
@@ -150,3 +166,67 @@ def test_nbval_compares_a_verdicts_plain_text_not_its_markdown(tmp_path):
             capture_output=True, text=True, cwd=tmp_path, env=_kernel_env(), timeout=300,
         )
         assert (result.returncode == 0) == passes, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- Interrupt wherever it lands
+
+# A cell as Part III's are: short launches in a row, then one that runs until interrupted (so that
+# every press lands in a launch, not in the cell's own lines after it).
+SHORT_LAUNCHES = (
+    "import time, course\n"
+    "def short(rank, world_size, i):\n"
+    "    print(f'launch {{i}} rank {{rank}}', flush=True)\n"
+    "    time.sleep(0.1 * rank)\n"
+    "    return i\n"
+    "def long(rank, world_size):\n"
+    "    print('long', flush=True)\n"
+    "    time.sleep(300)\n"
+    "course.launch(short, 2, 0, start_method={m!r})\n"
+    "course.launch(short, 3, 1, start_method={m!r})\n"
+    "course.launch(short, 2, 2, start_method={m!r})\n"
+)
+ONE_LINE = re.compile(r"⏹ KeyboardInterrupt: interrupted after \d+\.\d s: course\.launch stopped "
+                      r"(all [23] ranks( before they started)?|rank\(s\) [0-9, ]+ of [23] \(the others had finished\))\.")
+
+
+def _kernel_children(km):
+    """Every process under the kernel, zombies included, but multiprocessing's long-lived helpers."""
+    kernel = psutil.Process(km.provisioner.process.pid)
+    return [p for p in kernel.children(recursive=True)
+            if not any(h in " ".join(p.cmdline() or [""]) for h in ("resource_tracker", "multiprocessing.forkserver"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method, presses", [("fork", 50), ("forkserver", 20), ("spawn", 4)])
+def test_an_interrupt_anywhere_in_a_cell_of_short_launches_ends_in_one_line(kernel, start_method, presses):
+    """Kernel > Interrupt (SIGINT to the kernel's process group, as jupyter_client and JupyterLab
+    send it) at ``presses`` instants spread over the short launches: each time the one line, each
+    rank's output at most once, no "Exception ignored" (a lost press), no rank or zombie left,
+    and the next launch works."""
+    km, _ = kernel
+    short = SHORT_LAUNCHES.format(m=start_method)
+    _run(kernel, short)  # the first run imports and starts what later ones reuse (a forkserver)
+    messages = _run(kernel, short)
+    took = messages[-1][0]
+    cell = short + f"course.launch(long, 2, timeout=600, start_method={start_method!r})\n"
+    for k in range(presses):
+        delay = took * k / presses
+        pressed = []
+
+        def press(item):
+            if not pressed and item[1] == "execute_input":  # the cell has started
+                time.sleep(delay)
+                km.interrupt_kernel()
+                pressed.append(True)
+
+        messages = _run(kernel, cell, press)
+        where = f"pressed {delay:.2f} s into a {took:.2f} s run of short launches ({start_method})"
+        errors = [c for _, kind, c in messages if kind == "error"]
+        assert len(errors) == 1 and len(errors[0]["traceback"]) == 1, (where, errors)
+        assert ONE_LINE.fullmatch(errors[0]["traceback"][0]), (where, errors[0]["traceback"])
+        lines = _streams(messages).splitlines()
+        assert len(lines) == len(set(lines)), (where, lines)  # each rank's output once
+        assert all(line.startswith("[rank ") for line in lines), (where, lines)  # no "Exception ignored in"
+        assert _kernel_children(km) == [], where  # every rank killed and reaped before the line
+        after = _run(kernel, f"print(course.launch(short, 2, 9, start_method={start_method!r}, show=None))")
+        assert _streams(after) == "[9, 9]\n", (where, after)

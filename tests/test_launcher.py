@@ -510,6 +510,114 @@ def test_workers_die_with_the_kernel(tmp_path, start_method):
                 os.kill(server, signal.SIGKILL)
 
 
+# ---------------------------------------------------------------- interrupts land anywhere
+
+main_thread_only = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                                      reason="only the main thread handles SIGINT")
+
+
+def _press():
+    """Kernel > Interrupt, as the kernel sees it: SIGINT to this process."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _zombies():
+    return [p for p in psutil.Process().children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
+
+
+def _nap(rank, world_size):
+    time.sleep(0.2)
+    return rank
+
+
+_press_after_fork = []  # os.register_at_fork cannot be undone: the hook presses only while a test asks
+
+
+@pytest.fixture(scope="module")
+def press_in_an_after_fork_hook():
+    def hook():
+        if _press_after_fork:
+            _press_after_fork.pop()
+            _press()
+
+    os.register_at_fork(after_in_parent=hook)
+
+
+@main_thread_only
+def test_a_press_inside_an_after_fork_hook_is_not_lost(press_in_an_after_fork_hook):
+    """Python ignores an exception raised in an after-fork hook ("Exception ignored in
+    <function _releaseLock>"): a KeyboardInterrupt raised there was lost and the cell ran on."""
+    _press_after_fork.append(True)
+    with pytest.raises(course.runtime.launcher.LaunchInterrupted) as e:
+        launch(_nap, 3, start_method="fork")
+    assert _press_after_fork == [] and "course.launch stopped all 3 ranks" in str(e.value)
+    assert _zombies() == []
+
+
+@main_thread_only
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_press_while_a_rank_starts_stops_the_launch_there(monkeypatch, start_method):
+    """A press inside ``Process.start`` (a fork, a request to the forkserver, a fork and exec)
+    is acted on after it: no more ranks start, those started are stopped and reaped."""
+    import multiprocessing
+
+    process = type(multiprocessing.get_context(start_method).Process())
+    original = process._Popen
+
+    def pressed_while_starting(process_object):
+        _press()
+        return original(process_object)
+
+    monkeypatch.setattr(process, "_Popen", staticmethod(pressed_while_starting))
+    with pytest.raises(course.runtime.launcher.LaunchInterrupted) as e:
+        launch(_nap, 3, start_method=start_method)
+    assert "course.launch stopped all 3 ranks" in str(e.value)
+    assert _zombies() == []
+
+
+@main_thread_only
+@pytest.mark.parametrize("start_method", FORKING)
+def test_a_second_press_during_the_cleanup_does_not_break_it(monkeypatch, start_method):
+    """The first press while the ranks run; the second inside the cleanup (kill, join, waitpid),
+    where a KeyboardInterrupt left a raw traceback and unreaped ranks."""
+    from course.runtime import launcher
+
+    original, cleanups = launcher._kill_all, []
+
+    def pressed_while_cleaning_up(procs):
+        cleanups.append(len(procs))
+        _press()
+        original(procs)
+
+    def sleeper(rank, world_size):
+        print("working", flush=True)
+        time.sleep(60)
+
+    monkeypatch.setattr(launcher, "_kill_all", pressed_while_cleaning_up)
+    timer = threading.Timer(1.0, _press)
+    timer.start()
+    try:
+        with pytest.raises(launcher.LaunchInterrupted) as e:
+            launch(sleeper, 2, timeout=120, start_method=start_method)
+    finally:
+        timer.cancel()
+    assert cleanups == [2] and "stopped all 2 ranks" in str(e.value) and e.value.seconds < 30
+    assert _zombies() == []
+
+
+@pytest.mark.parametrize("start_method", FORKING)
+def test_ranks_take_sigint_as_python_does_once_they_have_their_own_process_group(start_method):
+    """Ranks start with SIGINT blocked (Jupyter interrupts the kernel's whole process group, which
+    a new rank belongs to at first) and let it through once they have left that group."""
+
+    def how_sigint_is_handled(rank, world_size):
+        blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return blocked, signal.getsignal(signal.SIGINT) is signal.default_int_handler, os.getpgrp() == os.getpid()
+
+    assert launch(how_sigint_is_handled, 2, start_method=start_method) == [(False, True, True)] * 2
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # nor is it blocked here afterwards
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="fork is the default on Linux only")
 def test_a_machine_with_a_cuda_gpu_starts_ranks_with_a_forkserver(monkeypatch):
     # Measured on one H100 (torch 2.11): after one backward() in the parent, forked ranks fail in

@@ -114,3 +114,36 @@ def test_an_interrupt_while_a_line_is_being_shown_still_empties_the_display(tmp_
         shown.update(running=[0])
     shown.close()
     assert handle.sent == [{"text/plain": "[rank 0] working on rank 0"}, {}]
+
+
+def test_a_launch_with_nothing_to_show_yet_creates_no_display(tmp_path, monkeypatch):
+    """A quick launch (done before SHOW_AFTER) leaves no output at all, not even an empty display
+    in the notebook a student saves; the display appears, empty, with the first line to show."""
+    import IPython.display
+    from course.runtime import live
+
+    created = []
+
+    class Handle:
+        def update(self, data, raw):
+            created.append(data)
+
+    def display(display_id):
+        created.append("display")
+        return Handle()
+
+    class Job:
+        def output_path(self, rank):
+            return tmp_path / f"rank{rank}.txt"
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    (tmp_path / "rank0.txt").write_text("working on rank 0\n")
+    quick = live.LiveOutput(Job(), [0])
+    quick.update(running=[0])  # before SHOW_AFTER
+    quick.close()
+    assert created == []
+    slow = live.LiveOutput(Job(), [0])
+    slow.started -= live.SHOW_AFTER
+    slow.update(running=[0])
+    slow.close()
+    assert created == ["display", {"text/plain": "[rank 0] working on rank 0"}, {}]

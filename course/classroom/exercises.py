@@ -24,6 +24,8 @@ and the notebook uses it::
   "not attempted yet", so a student notebook runs top to bottom;
 * a rank that fails inside the check's :func:`course.launch` (a
   :class:`course.WorkerError`) is reported as a wrong answer naming the rank's error;
+* an answer that raises when the check calls it (a typo's ``NameError``) is a wrong answer
+  too: the exception, the student's line and the hint, without the course's own frames;
 * the feedback carries the exercise's name.
 
 What a check, ``hint()`` and ``solution()`` return shows as plain text in a terminal and as
@@ -44,6 +46,7 @@ import functools
 import json
 import re
 import sys
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -177,6 +180,10 @@ class Exercise:
                 feedback = Feedback("", "wrong", f"not yet: {e}")
             except WorkerError as e:  # the student's code failed on a rank
                 feedback = rank_failed(e)
+            except Exception as e:  # raised here, in the check's process: by the answer, or a bug of the check's
+                feedback = answer_raised(e, self._hint)
+                if feedback is None:
+                    raise
             if isinstance(feedback, Feedback) and (why := next(
                     (guard.message(d) for d in self.finished if guard.message(d) in feedback.message), None)):
                 feedback = Feedback("", "wrong", f"not yet: {why}")  # whatever else the judge made of it
@@ -215,6 +222,23 @@ def rank_failed(e) -> Feedback:
     if e.last_lines:
         message += ". What it printed last:"
     return Feedback("", "wrong", message, details=e.last_lines)
+
+
+def answer_raised(e: Exception, hint: str) -> Feedback | None:
+    """The feedback for an answer that raised when the check called it (not on a rank): the
+    exception, the student's own lines where it happened (``Cell In[12], line 4``), the hint;
+    none of the course's frames. None if no frame is the student's (a bug of the check's)."""
+    from course.runtime.worker import callers_frame, describe_frame, is_callers_code
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if is_callers_code(f.filename)]
+    if not frames:
+        return None
+    reason = " ".join(f"{type(e).__name__}: {e}".split()) if str(e) else type(e).__name__
+    where = describe_frame(callers_frame(e.__traceback__))
+    details = "\n".join(describe_frame((f.filename, f.lineno, f.name)) + (f"\n    {f.line}" if f.line else "")
+                        for f in frames)
+    return Feedback("", "wrong", f"not yet: your code raised {reason} (in your code at {where}). Hint: {hint}",
+                    details=details)
 
 
 def exercise(name: str, hint: str, finished=()):

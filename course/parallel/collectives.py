@@ -109,6 +109,7 @@ def ring_all_gather(tensor):
 
 
 def ring_all_reduce(tensor):
-    """Sum ``tensor`` over all ranks, in place, like ``dist.all_reduce``: reduce-scatter, then all-gather."""
+    """Sum ``tensor`` over all ranks, in place, like ``dist.all_reduce``:
+    reduce-scatter, then all-gather."""
     ring_reduce_scatter(tensor)
     return ring_all_gather(tensor)

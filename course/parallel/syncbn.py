@@ -81,7 +81,8 @@ def global_mean_var(x, group=None):
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Normalise ``x`` with the global ``mean`` and ``var``; the backward all-reduces Σg and Σg·x̂."""
+    """Normalise ``x`` with the global ``mean`` and ``var``;
+    the backward all-reduces Σg and Σg·x̂."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, n, eps, group):

@@ -159,7 +159,8 @@ class SelfAttention(nn.Module):
         def heads(t):  # (b, s, n_heads * head_dim) -> (b, n_heads, s, head_dim)
             return t.view(b, s, self.n_heads, -1).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -183,6 +184,7 @@ class ParallelSelfAttention(SelfAttention):
 
 def column_slice(full: nn.Linear, group=None) -> nn.Linear:
     """A plain ``nn.Linear`` with this rank's output features of ``full`` (no communication)."""
-    part = nn.Linear(full.in_features, full.out_features // dist.get_world_size(group), device="meta")
+    rows = full.out_features // dist.get_world_size(group)
+    part = nn.Linear(full.in_features, rows, device="meta")
     part.weight, part.bias = shard(full.weight, 0, group), shard(full.bias, 0, group)
     return part

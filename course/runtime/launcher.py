@@ -55,8 +55,15 @@ rank does once started is :mod:`course.runtime.worker`'s; this module starts and
   :class:`WorkerError` names the rank and shows its traceback. If ranks are still
   running after ``timeout`` seconds (a missing collective, a deadlock), their Python
   stacks are dumped, every rank is killed and :class:`WorkerTimeoutError` names them.
-  An interrupt (Kernel > Interrupt) kills every rank, replays their output once and raises
-  :class:`LaunchInterrupted`, which Jupyter shows as one line, not a traceback through here.
+* **Interrupts.** Kernel > Interrupt (SIGINT) can land anywhere: in a fork's after-fork hooks
+  Python would ignore the ``KeyboardInterrupt`` (the press is lost), in the cleanup it would
+  leave a traceback and unreaped ranks. So while a launch runs, a press is only noted
+  (:mod:`course.runtime.interrupts`) and acted on at the next safe point (between two forks,
+  while waiting for the ranks): every rank is killed and reaped, their output replayed once,
+  and :class:`LaunchInterrupted` raised, which Jupyter shows as one line, not a traceback
+  through here. A second press while it cleans up is noted too. Jupyter signals the kernel's
+  whole process group, and a new rank is in it until it makes its own: ranks start with
+  SIGINT blocked, and drop a press that arrived before they left the group.
 * **The end.** A rank that has returned waits: one that left early would make its peers
   fail with "connection closed" instead of showing who really hung. Once every rank has
   reported, the parent kills them all at once (their process groups die with them:
@@ -82,7 +89,7 @@ import warnings
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from course.runtime import live
+from course.runtime import interrupts, live
 from course.runtime.worker import (
     Job,
     Report,
@@ -197,6 +204,32 @@ def launch(
     :class:`WorkerTimeoutError` if ranks are still running after ``timeout``, and
     :class:`LaunchInterrupted` (a ``KeyboardInterrupt``) once an interrupt has stopped the ranks.
     """
+    procs, reports = [], {}
+    # From the call to the last rank reaped, an interrupt is noted, not raised wherever it lands (in
+    # a fork's after-fork hooks it would be lost, in the cleanup it would leave zombies): the
+    # launch looks at it between forks and while it waits, then stops and reaps every rank.
+    with interrupts.noted() as pressed:
+        started = time.monotonic()
+        try:
+            _run(fn, world_size, args, timeout, show, threads, backend, start_method, env, init_process_group,
+                 pressed, procs, reports)
+        except KeyboardInterrupt:  # raised at a safe point; or by Python, off the main thread
+            if not pressed:
+                pressed.note()
+        except WorkerError:
+            if not pressed:  # an interrupt outranks the failure or timeout it cut short
+                raise
+    if pressed:  # acted on now, everything stopped and shown: Run All stops here
+        running = [r for r in range(world_size) if r not in reports] if procs else None
+        raise LaunchInterrupted(world_size, running, pressed.first - started) from None
+    return collect(reports, world_size)
+
+
+def _run(fn, world_size, args, timeout, show, threads, backend, start_method, env, init_process_group,
+         pressed, procs, reports):
+    """Start the ranks (into ``procs``), wait for their reports (into ``reports``), stop them all
+    and show their output, whatever happens; a press of Interrupt raises KeyboardInterrupt here
+    only at a safe point (between forks, while waiting)."""
     show_ranks = _check_arguments(fn, world_size, timeout, show, threads, backend, start_method, env, init_process_group)
     backend_plugin = check_backend(backend)  # a registered backend: spawned ranks redo the registration
     start_method = start_method or default_start_method(backend)
@@ -223,28 +256,27 @@ def launch(
         # In Jupyter even a launch that shows nobody's output (show=None, as checks do) shows
         # which ranks still run after a second: a hang must not look like nothing happening.
         display = live.LiveOutput(job, show_ranks) if live.in_jupyter() else None
-        procs, readers, reports = [], [], {}
-        started, interrupted = time.monotonic(), None
+        readers = []
         try:
             sys.stdout.flush()
             sys.stderr.flush()
             for rank in range(world_size):
+                if pressed:
+                    raise KeyboardInterrupt
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_rank_process, args=(rank, job, payload, writer, parent_pid, watched), daemon=True)
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), interrupts.held_back():
                     # Python >= 3.12 warns that forking a multi-threaded process (any
                     # Jupyter kernel) may deadlock. The child never touches the parent's
                     # threads' locks (no store is created before the fork), so silence it.
                     warnings.filterwarnings("ignore", "This process .* is multi-threaded")
                     proc.start()
-                writer.close()  # keep only the child's copy: EOF on ``reader`` == child gone
                 procs.append(proc)
+                writer.close()  # keep only the child's copy: EOF on ``reader`` == child gone
                 readers.append(reader)
             if watched is not None:
                 watched.close()  # the ranks have their copies
-            _supervise(procs, readers, job, display, reports)
-        except KeyboardInterrupt:  # Kernel > Interrupt, Ctrl-C
-            interrupted = time.monotonic() - started
+            _supervise(procs, readers, job, display, reports, pressed)
         finally:
             _kill_all(procs)
             if alive is not None:
@@ -252,9 +284,6 @@ def launch(
             if display is not None:
                 display.close()
             replay_output(job, show_ranks)
-    if interrupted is not None:
-        raise LaunchInterrupted(world_size, [r for r in range(world_size) if r not in reports], interrupted) from None
-    return collect(reports, world_size)
 
 
 class LaunchInterrupted(KeyboardInterrupt):
@@ -263,7 +292,9 @@ class LaunchInterrupted(KeyboardInterrupt):
     (IPython shows what ``_render_traceback_`` returns); ``ranks`` lists those that still ran."""
 
     def __init__(self, world_size, ranks, seconds):
-        if len(ranks) in (0, world_size):
+        if ranks is None:  # pressed before the first fork
+            running, ranks = f"all {world_size} ranks before they started", []
+        elif len(ranks) in (0, world_size):
             running = f"all {world_size} ranks"
         else:
             running = f"rank(s) {', '.join(map(str, ranks))} of {world_size} (the others had finished)"
@@ -378,9 +409,9 @@ def _rank_setup() -> tuple:
     return tuple(setup for setup in (hook() for hook in _launch_hooks) if setup is not None)
 
 
-
-def _supervise(procs, readers, job, display, reports):
-    """Wait for every rank's :class:`Report`, into ``reports``; stop at the first failure or at the timeout."""
+def _supervise(procs, readers, job, display, reports, pressed=None):
+    """Wait for every rank's :class:`Report`, into ``reports``; stop at the first failure or at the timeout,
+    or raise KeyboardInterrupt as soon as ``pressed`` (:class:`interrupts.Interrupts`) has noted a press."""
     world_size = len(procs)
     # The timeout counts from when every rank has started (imports done): spawned ranks take
     # seconds to import torch, forked ones milliseconds. A rank stuck starting up is given
@@ -401,7 +432,10 @@ def _supervise(procs, readers, job, display, reports):
     def failed():
         return any(not r.ok for r in reports.values())
 
+    woken_by = [pressed.fileno()] if pressed is not None and pressed.fileno() is not None else []
     while len(reports) < world_size and not failed():
+        if pressed:
+            raise KeyboardInterrupt
         now = time.monotonic()
         if deadline is None and (now > startup_ends or all(
                 r in reports or job.started_path(r).exists() for r in range(world_size))):
@@ -409,7 +443,7 @@ def _supervise(procs, readers, job, display, reports):
         remaining = deadline - now if deadline is not None else STARTUP_POLL
         if remaining <= 0:
             _raise_timeout(procs, reports, job)
-        ready = wait(list(pending) + list(sentinels), timeout=min(remaining, live.TICK) if display else remaining)
+        ready = wait(list(pending) + list(sentinels) + woken_by, timeout=min(remaining, live.TICK) if display else remaining)
         for obj in ready:
             if obj in pending:
                 receive(obj)
@@ -512,6 +546,7 @@ def _rank_process(rank, job, payload, conn, parent_pid, launcher_alive=None):
         if parent_pid is None:
             parent_pid = os.getppid()
         _isolate(parent_pid)
+        interrupts.let_through()  # in our own process group now: the kernel's interrupts no longer reach us
         if launcher_alive is not None:
             threading.Thread(target=_die_with_the_launcher, args=(launcher_alive,), daemon=True).start()
         stack_file = open(_stack_path(job, rank), "w")

@@ -8,6 +8,9 @@ launch that shows nobody's output, such as an exercise check's: a hang is seen a
 
 Why it cannot disturb the stored or the compared outputs: the display starts *empty*, is
 filled by ``update_display_data`` messages, and is emptied again when the launch ends.
+It is created only once there is something to show (after ``SHOW_AFTER`` seconds): a quick
+launch leaves no output behind at all, not even an empty one in the notebook a student saves
+(a longer one leaves its emptied display, which ``python -m course build`` drops).
 ``nbclient`` (the build) applies the updates: it stores an empty display. ``nbval`` ignores
 updates: it sees the empty display it was created as. An empty display has no data, so it
 compares equal under both, and nbval merges the stream output around it (the replay) into one.
@@ -41,8 +44,6 @@ class LiveOutput:
     """Reads the ranks' output files from where it last stopped and shows the newest lines."""
 
     def __init__(self, job: Job, ranks):
-        from IPython.display import display
-
         self.job, self.ranks = job, list(ranks)
         self.offsets = {r: 0 for r in self.ranks}
         self.partial = {r: b"" for r in self.ranks}
@@ -50,7 +51,7 @@ class LiveOutput:
         self.noise = NoiseFilter()
         self.started = time.monotonic()
         self.shown = ""
-        self.handle = display(display_id=True)  # empty until there is something to show
+        self.handle = None  # created, empty, when there is something to show
 
     def update(self, running):
         """Show new lines, and after STATUS_AFTER seconds the ranks in ``running``."""
@@ -64,6 +65,10 @@ class LiveOutput:
             lines.append(f"… {elapsed:.0f} s, still running: rank(s) {', '.join(map(str, running))}")
         text = "\n".join(lines)
         if text.strip() and text != self.shown:
+            if self.handle is None:
+                from IPython.display import display
+
+                self.handle = display(display_id=True)  # empty: what nbval compares (see above)
             self.shown = text  # first: an interrupt inside update() must still let close() empty it
             self.handle.update({"text/plain": text}, raw=True)
 

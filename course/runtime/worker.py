@@ -120,7 +120,7 @@ class Report:
             consequence=any(text in summary for text in PEER_GONE),
             hint=_hint(e),
             reason=reason,
-            frame=_callers_frame(e.__traceback__),
+            frame=callers_frame(e.__traceback__),
         )
 
     @classmethod
@@ -149,16 +149,23 @@ def _library_dirs():
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), paths["stdlib"], paths["purelib"], paths["platlib"]})
 
 
-def _callers_frame(tb):
+def callers_frame(tb):
     """(file, line, function) of the innermost frame of ``tb`` in the caller's own code (a notebook
     cell, a script): the line a student wrote that failed, below which only libraries ran."""
-    libraries = _library_dirs()
     found = None
     for frame in traceback.extract_tb(tb):
-        path = os.path.realpath(frame.filename) if not frame.filename.startswith("<") else frame.filename
-        if not path.startswith(libraries) and not frame.filename.startswith("<frozen"):
+        if is_callers_code(frame.filename):
             found = (frame.filename, frame.lineno, frame.name)
     return found
+
+
+def is_callers_code(filename: str) -> bool:
+    """True for code of the caller's own (a notebook cell, a script), False for the course's,
+    Python's and installed packages'."""
+    if filename.startswith("<frozen"):
+        return False
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    return not path.startswith(_library_dirs())
 
 
 def describe_frame(frame) -> str:

@@ -61,7 +61,8 @@ def save_checkpoint(state: dict, path) -> Path:
     ``.<name>.*.tmp`` next to the checkpoint; it is never read and can be deleted.
     """
     if not isinstance(state, dict):
-        raise TypeError(f"save_checkpoint() saves a dict (e.g. from training_state()), got {type(state).__name__}.")
+        raise TypeError(f"save_checkpoint() saves a dict (e.g. from training_state()), "
+                        f"got {type(state).__name__}.")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_save({**state, "format": FORMAT}, path)
