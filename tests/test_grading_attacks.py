@@ -25,8 +25,9 @@ from test_grading import FULL_BATCH, RIGHT_WEIGHT_GRAD, SOLUTION, STUDENT, WRONG
 pytestmark = pytest.mark.slow
 MARK = "gradingattack"  # every process an attack starts carries it in its command line
 SLEEPER = f"import subprocess\nfor _ in range({{n}}):\n    subprocess.Popen(['bash', '-c', 'exec -a {MARK} sleep 600'], start_new_session=True)"
-FIND_JUDGE = ("import psutil\n"
-              "judges = [p for p in psutil.process_iter() if 'course.classroom.judge' in ' '.join(p.cmdline())]\n")
+FIND_JUDGE = ("import os, psutil\n"  # as issue 38's forger did: among the kernel's parent's children
+              "judges = [p for p in psutil.Process(os.getppid()).children(recursive=True)\n"
+              "          if 'course.classroom.judge' in ' '.join(p.cmdline())]\n")
 STUB = "def weight_grad(model, x, y):\n    ..."
 SEALED = sandbox.probe() is None
 
@@ -200,3 +201,19 @@ def test_a_grader_told_to_stop_keeps_what_it_graded_and_leaves_no_temp_folder(tm
     assert [p.name for p in tmp.iterdir() if p.name.startswith("course-grade-")] == []  # (torch's own caches may be there)
     time.sleep(1)
     assert leftovers() == []
+
+
+def test_without_a_sandbox_forged_replies_still_earn_nothing(tmp_path):
+    """Not isolated (``--no-sandbox``), the forger reaches the judge's pipes, as issue 38 found: its
+    lines name no request, so they are ignored, and the next student gets her own verdicts."""
+    forger = attacks(tmp_path / "grades.csv", tmp_path / "none", tmp_path / "none")["forger"]
+    paths = [("forger", write(tmp_path, "forger", forger)), ("next", write(tmp_path, "next", small(RIGHT_WEIGHT_GRAD, FULL_BATCH,
+                                                                                                      ids=["c06", "c09"])))]
+    logged = []
+    rows = [v.row() for v in grading.grade_notebooks(paths, grading.Limits(cell=60), log=logged.append, sealed=False)]
+    assert any(line.endswith("answered no request (forged?) and were ignored") for line in logged), logged  # they were written
+    assert {r["exercise"]: r["verdict"] for r in rows if r["student"] == "forger"} == {
+        "weight_grad": "wrong", "chunk_mean_grad": "error", "chunk_loss": "error"}
+    assert {r["exercise"]: r["verdict"] for r in rows if r["student"] == "next"} == {
+        "weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
+    assert {r["isolation"] for r in rows} == {"NOT ISOLATED: turned off (--no-sandbox)"}

@@ -202,6 +202,8 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             judge.close()
+        if judge.ignored:  # someone wrote into the judge's pipe: only possible without the sandbox
+            log(f"WARNING: {judge.ignored} lines in the judge's replies answered no request (forged?) and were ignored")
         for student in dict.fromkeys(s for s, _ in chosen):
             for number in numbers:
                 if (student, number) not in chosen:
