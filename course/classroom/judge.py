@@ -101,7 +101,10 @@ class Judge:
             if self.process.poll() is not None:  # the last answer killed it
                 self._kill()
                 self.restarts += 1
-                self._start()
+                try:
+                    self._start()
+                except RuntimeError as e:
+                    return "error", f"the judge stopped and could not be started again: {e}"
             token = secrets.token_hex(16)
             try:
                 self.process.stdin.write(json.dumps({"id": token, "notebook": number, "check": check,
@@ -117,11 +120,11 @@ class Judge:
         return VERDICTS[reply["status"]], reply["message"]
 
     def _kill(self):
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its sandbox, or the children it forked
-        except OSError:
-            pass
-        self.process.kill()
+        if self.process.poll() is None:  # not reaped yet: its process group id is still its own
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # its sandbox, or the children it forked
+            except OSError:
+                pass
         self.process.wait()
 
     def close(self):
