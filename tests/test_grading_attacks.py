@@ -92,6 +92,8 @@ def leftovers():
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    if not SEALED:  # then the vandal and the escapee succeed, as README says: .ci/run installs bubblewrap
+        pytest.skip(f"no sandbox here ({sandbox.probe()}): install bubblewrap")
     folder = tmp_path_factory.mktemp("hostile")
     out = tmp_path_factory.mktemp("out") / "grades.csv"
     solved = {c.id: c.source for c in SOLUTION.cells if c.get("id") in {s.id for s in STUDENT.cells if "✏️ your" in s.source}}
