@@ -15,7 +15,10 @@ def main(argv=None):
     site.add_argument("--out", default=None, help="the folder to write it to (default: build/site)")
     grade = sub.add_parser("grade", help="grade students' notebooks: each exercise's verdict, judged by the course's checks")
     grade.add_argument("submissions", nargs="+", help="student notebooks, or folders of them (one folder per student)")
-    grade.add_argument("--csv", help="write one row per student and exercise to this file")
+    grade.add_argument("--csv", help="write one row per student and exercise to this file (and NAME-students.csv, "
+                                     "NAME-answers/: each student's totals, the source of their correct answers)")
+    grade.add_argument("--no-sandbox", action="store_true",
+                       help="run the submissions without a sandbox (not isolated: only for notebooks you trust)")
     progress = sub.add_parser("progress", help="your verdicts: run your saved notebooks and judge each exercise")
     progress.add_argument("notebooks", nargs="*", help="notebooks or folders (default: notebooks/)")
     for command in (grade, progress):
@@ -30,7 +33,7 @@ def main(argv=None):
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
         if args.command == "grade":
-            return grading.grade(args.submissions, args.csv, limits, args.jobs)
+            return grading.grade(args.submissions, args.csv, limits, args.jobs, sealed=not args.no_sandbox)
         return grading.progress(args.notebooks, limits, args.jobs)
     if args.command == "doctor":
         from course.classroom.doctor import doctor

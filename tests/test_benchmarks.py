@@ -17,6 +17,7 @@ CASES = {
     "ddp_step_vs_bucket.py": (["--quick", "--out", "{tmp}"], "bucket_cap_mb=0.25"),
     "tracer_overhead.py": (["--quick"], "traced ms/step"),
     "notebook_times.py": (["{tmp}/tiny.ipynb"], "tiny.ipynb"),
+    "grading_overhead.py": (["--quick"], "not sandboxed"),
 }
 
 

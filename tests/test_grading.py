@@ -21,11 +21,12 @@ import contextlib
 import csv
 import io
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from course.classroom import grading
+from course.classroom import grading, report, runner, sandbox, submissions
 from course.__main__ import main
 from course.classroom.notebooks import ROOT
 
@@ -121,7 +122,7 @@ def graded_01(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_csv_has_one_row_per_student_and_exercise(graded_01):
-    assert list(graded_01[0]) == grading.COLUMNS
+    assert list(graded_01[0]) == report.COLUMNS
     assert sorted((r["student"], r["exercise"]) for r in graded_01) == sorted(
         (s, e) for s in ["solved", "untouched", "wrong", "fake_check", "patched_course", "borrows"] for e in EXERCISES)
     assert {r["notebook"] for r in graded_01} == {"01"}
@@ -199,7 +200,7 @@ def graded_14(tmp_path_factory):
 @pytest.mark.slow
 def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(graded_14):
     path, rows, _ = graded_14
-    assert [list(r) for r in rows] == [grading.COLUMNS] * 3
+    assert [list(r) for r in rows] == [report.COLUMNS] * 3
     assert [(r["student"], r["notebook"], r["exercise"], r["title"], r["verdict"], r["file"]) for r in rows] == [
         ("mixed", "14", "merge", "Exercise 1 (merge)", "correct", str(path)),
         ("mixed", "14", "ring_forward", "Exercise 2 (ring_forward)", "wrong", str(path)),
@@ -213,18 +214,22 @@ def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(
 
 @pytest.mark.slow
 def test_a_part_iii_notebooks_summary(graded_14):
-    assert [line.split() for line in graded_14[2].splitlines()] == [
+    lines = graded_14[2].splitlines()
+    isolation = "sandboxed" if sandbox.probe() is None else "NOT ISOLATED"
+    assert lines[0].startswith("course version ") and f"; submissions {isolation}" in lines[0]
+    assert [line.split() for line in lines[1:5]] == [
         ["notebook", "exercise", "solved", "wrong", "not", "attempted", "error"],
         ["14", "Exercise", "1", "(merge)", "1/1", "0", "0", "0"],
         ["14", "Exercise", "2", "(ring_forward)", "0/1", "1", "0", "0"],
         ["14", "Exercise", "3", "(zigzag_layout)", "0/1", "1", "0", "0"],
     ]
+    assert [line.split() for line in lines[6:]] == [["student", "14", "total"], ["mixed", "1/3", "1/3"]]
 
 
 def test_summary_counts_each_exercise():
-    rows = [grading.Verdict(s, "01", "weight_grad", "Exercise 1 (weight_grad)", v, "", "")
+    rows = [report.Verdict(s, "01", "weight_grad", "Exercise 1 (weight_grad)", v, "", "")
             for s, v in [("a", "correct"), ("b", "correct"), ("c", "wrong"), ("d", "error"), ("e", "not attempted")]]
-    lines = grading.summary(rows).splitlines()
+    lines = report.summary(rows).splitlines()
     assert lines[0].split() == ["notebook", "exercise", "solved", "wrong", "not", "attempted", "error"]
     assert lines[1].split() == ["01", "Exercise", "1", "(weight_grad)", "2/5", "1", "1", "1"]
 
@@ -260,7 +265,7 @@ def test_a_hanging_cell_is_interrupted_and_the_rest_graded(graded_small):
 @pytest.mark.slow
 @pytest.mark.parametrize("student, reason", [
     ("ignores_interrupt", "cell 2 (`import signal`) ran past its time limit and did not stop when interrupted"),
-    ("crashes", "the kernel died while running cell 2 (`import os`) (it crashed, exited or ran out of memory)"),
+    ("crashes", "the kernel died while running cell 2 (`import os`) (it crashed, exited, was killed or ran out of memory)"),
 ])
 def test_a_notebook_that_hangs_or_dies_costs_only_its_own_exercises(graded_small, student, reason):
     rows = [v.row() for v in graded_small[1]]
@@ -327,12 +332,12 @@ def test_progress_prints_a_table_of_the_saved_notebooks(tmp_path, capsys):
 
 
 def test_which_notebook_a_file_is():
-    table = grading.exercise_table()
+    table = submissions.exercise_table()
     nb = nbformat.v4.new_notebook()
-    assert grading.notebook_number(grading.Path("alice_03_distributed_sampler.ipynb"), nb, table) == "03"
-    assert grading.notebook_number(grading.Path("10_mine.ipynb"), nb, table) == "10"
-    assert grading.notebook_number(grading.Path("homework.ipynb"), STUDENT, table) == "01"  # its Colab badge
-    assert grading.notebook_number(grading.Path("homework.ipynb"), nb, table) is None
+    assert submissions.notebook_number(Path("alice_03_distributed_sampler.ipynb"), nb, table) == "03"
+    assert submissions.notebook_number(Path("10_mine.ipynb"), nb, table) == "10"
+    assert submissions.notebook_number(Path("homework.ipynb"), STUDENT, table) == "01"  # its Colab badge
+    assert submissions.notebook_number(Path("homework.ipynb"), nb, table) is None
 
 
 def test_answers_json_is_what_the_build_writes_and_names_every_exercise():
@@ -341,7 +346,7 @@ def test_answers_json_is_what_the_build_writes_and_names_every_exercise():
     from course.classroom.exercises import Exercise
     from course.classroom.notebooks import all_exercise_answers
 
-    table = grading.exercise_table()
+    table = submissions.exercise_table()
     assert table == all_exercise_answers(), "course/checks/answers.json is stale: run `python -m course build --no-execute`"
     for number, entry in table.items():
         module = importlib.import_module(f"course.checks.nb{number}")
@@ -355,23 +360,23 @@ def test_answers_are_taken_after_the_exercise_not_at_the_end():
     """Notebook 11 binds ``zero1_step`` to the course's version after its exercise: an untouched
     notebook's answer is taken before that, as the student's check saw it."""
     nb = nbformat.read(ROOT / "notebooks" / "11_zero_and_fsdp.ipynb", as_version=4)
-    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    points = runner.extraction_points(nb, submissions.exercise_table()["11"]["exercises"])
     at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
     assert "\ncheck.zero1_step(zero1_step)" in nb.cells[at].source
     later = [i for i, c in enumerate(nb.cells) if "from course.parallel.zero import zero1_step" in c.source]
     assert later and at < later[0]
     nb.cells = [c for c in nb.cells if "check.zero1_step(" not in c.source]  # deleted: after its answer cell
-    points = grading.extraction_points(nb, grading.exercise_table()["11"]["exercises"])
+    points = runner.extraction_points(nb, submissions.exercise_table()["11"]["exercises"])
     at = next(i for i, due in points.items() if [x["check"] for x in due] == ["zero1_step"])
     assert "def zero1_step(" in nb.cells[at].source
 
 
 def test_calls_on_check_are_left_out():
-    assert grading.without_checks("check.weight_grad(weight_grad)\ncheck.weight_grad.hint()") == ""
-    assert grading.without_checks("from course.checks import nb01 as check\n\ncheck.weight_grad(\n    weight_grad)\nx = 1") == \
+    assert runner.without_checks("check.weight_grad(weight_grad)\ncheck.weight_grad.hint()") == ""
+    assert runner.without_checks("from course.checks import nb01 as check\n\ncheck.weight_grad(\n    weight_grad)\nx = 1") == \
         "from course.checks import nb01 as check\n\nx = 1"
     for kept in ("x = check.weight_grad(weight_grad)", "print(check.exercise_model())", "x = 1; check.w(x)", "%time check.x(y)"):
-        assert grading.without_checks(kept) == kept
+        assert runner.without_checks(kept) == kept
 
 
 def test_a_check_call_must_pass_its_answers_by_name():

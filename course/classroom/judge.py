@@ -1,0 +1,263 @@
+"""The judge: a process of its own that imports the course's checks before any student code
+runs, and judges one exercise's answers per request, each in a child forked for it (on Linux).
+
+``python -m course.classroom.judge NN ...`` (the grader starts it) says hello (the exercises'
+titles) on stdout, then answers one JSON request per line of stdin.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import os
+import queue
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+SEALED = "COURSE_JUDGE_SEALED"  # set by the grader when the judge runs in a sandbox of its own
+VERDICTS = {"correct": "correct", "wrong": "wrong", "todo": "not attempted", "error": "error"}
+
+
+def match(line, token: str):
+    """The reply in ``line`` if it answers the request ``token``, else None (a forged, garbled or
+    stale line: ignored). A reply is a JSON object with ``id``, ``status`` and ``message``."""
+    try:
+        reply = json.loads(line)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(reply, dict) or reply.get("id") != token:
+        return None
+    if reply.get("status") not in VERDICTS or not isinstance(reply.get("message"), str):
+        return None
+    return reply
+
+
+class Judge:
+    """The judge process, seen from the grader: ``Judge(["01", "03"])`` imports those
+    notebooks' checks in a new process; ``judge("01", "weight_grad", answers, timeout)``.
+
+    Each request carries a fresh random token, and only a reply that names it counts: a line
+    written into the reply pipe by anyone else (a forged verdict) is ignored. A judge that dies
+    (an answer killed it) costs the exercise it was judging; the next request starts a new one.
+    ``command`` starts the process (default: ``python -m course.classroom.judge``, sandboxed by
+    the grader when it can be)."""
+
+    def __init__(self, numbers, command=None, env=None):
+        self.numbers, self.env, self.lock = list(numbers), env, threading.Lock()  # one request at a time
+        self.command = command or (lambda argv: argv)
+        self.ignored, self.restarts = 0, 0  # lines that answered no request; judges started again
+        self._start()
+
+    def _start(self):
+        argv = self.command([sys.executable, "-m", "course.classroom.judge", *self.numbers])
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, bufsize=1, env=self.env, start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.process, self.lines), daemon=True).start()
+        try:
+            hello = json.loads(self.lines.get(timeout=600) or "null")
+        except (queue.Empty, ValueError):
+            hello = None
+        if not isinstance(hello, dict):
+            self._kill()
+            raise RuntimeError("the judge process did not start: run `python -m course doctor`")
+        self.titles, self.broken = hello.get("titles", {}), hello.get("broken", {})
+
+    @staticmethod
+    def _read(process, lines):
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def _reply(self, token, timeout):
+        """The reply to request ``token``, or None if the judge stopped or ran past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            reply = match(line, token)
+            if reply is not None:
+                return reply
+            self.ignored += 1
+
+    def title(self, number, check) -> str:
+        return self.titles.get(number, {}).get(check, check)
+
+    def judge(self, number, check, answers: str, timeout: float) -> tuple[str, str]:
+        """(verdict, feedback) for one exercise's answers (base64 cloudpickle of a tuple)."""
+        if number in self.broken:
+            return "error", f"the checks of notebook {number} cannot be imported here: {self.broken[number]}"
+        with self.lock:
+            if self.process.poll() is not None:  # the last answer killed it
+                self._kill()
+                self.restarts += 1
+                try:
+                    self._start()
+                except RuntimeError as e:
+                    return "error", f"the judge stopped and could not be started again: {e}"
+            token = secrets.token_hex(16)
+            try:
+                self.process.stdin.write(json.dumps({"id": token, "notebook": number, "check": check,
+                                                     "answers": answers, "timeout": timeout}) + "\n")
+                self.process.stdin.flush()
+            except OSError:
+                pass  # it died: no reply comes
+            reply = self._reply(token, timeout + 60)
+            if reply is None:
+                self._kill()  # dead, or stuck: the next request starts a new one
+        if reply is None:
+            return "error", "the judge stopped while judging this answer (the answer killed it, or it ran out of time)"
+        return VERDICTS[reply["status"]], reply["message"]
+
+    def _kill(self):
+        if self.process.poll() is None:  # not reaped yet: its process group id is still its own
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # its sandbox, or the children it forked
+            except OSError:
+                pass
+        self.process.wait()
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill()
+
+
+def _judge_one(exercise, answers: str) -> dict:
+    """Inside the judge's child: load one exercise's answers, call the real check."""
+    import cloudpickle
+
+    try:
+        loaded = cloudpickle.loads(base64.b64decode(answers))
+        if not isinstance(loaded, tuple):
+            raise TypeError(f"expected a tuple of answers, got {type(loaded).__name__}")
+    except BaseException as e:
+        return {"status": "error", "message": f"the answer could not be loaded for judging: {type(e).__name__}: {e}"}
+    for answer in loaded:  # e.g. the notebook's own `from course.parallel.zero import zero1_step`, after the exercise
+        module = getattr(answer, "__module__", None)
+        if callable(answer) and isinstance(module, str) and module.split(".")[0] == "course":
+            return {"status": "error", "message": f"the answer is the course's own {module}.{getattr(answer, '__qualname__', '')}, "
+                                                  "not one written in the notebook"}
+    try:
+        feedback = exercise(*loaded)
+    except BaseException as e:  # what the student sees in the notebook: a traceback, not a verdict
+        return {"status": "error", "message": f"the check raised {type(e).__name__}: {e}"}
+    return {"status": feedback.status, "message": feedback.message}
+
+
+def _in_child(fn, timeout: float, keep_closed=()) -> dict:
+    """``fn()`` (a dict) in a forked child of its own process group, killed after ``timeout`` s."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no way back to the grader but its pipe
+        code = 1
+        try:
+            os.close(read_end)
+            for fd in keep_closed:
+                os.close(fd)
+            os.setpgid(0, 0)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            data = json.dumps(fn()).encode()
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    chunks, deadline, late = [], time.monotonic() + timeout, False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                late = True
+                break
+            data = pipe.read(1 << 16)
+            if not data:
+                break
+            chunks.append(data)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the check's ranks, if any are left
+    except OSError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    if late:
+        return {"status": "error", "message": f"the check ran past its {timeout:g} s limit"}
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        how = f"signal {-os.waitstatus_to_exitcode(status)}" if os.WIFSIGNALED(status) else f"exit code {os.waitstatus_to_exitcode(status)}"
+        return {"status": "error", "message": f"the check's process died ({how})"}
+
+
+def serve(numbers) -> int:
+    """The judge (``python -m course.classroom.judge NN ...``): imports those notebooks' checks,
+    says hello (their titles) on stdout, then answers one JSON request per line of stdin."""
+    from course.classroom.exercises import Exercise
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
+    modules, titles, broken = {}, {}, {}
+    for number in numbers:
+        try:
+            modules[number] = importlib.import_module(f"course.checks.nb{number}")
+        except Exception as e:
+            broken[number] = f"{type(e).__name__}: {e}"
+            continue
+        titles[number] = {name: x.name for name, x in vars(modules[number]).items() if isinstance(x, Exercise)}
+    proto.write(json.dumps({"titles": titles, "broken": broken}) + "\n")
+    isolate = sys.platform == "linux"  # fork each exercise; elsewhere judge in this process
+    sealed = os.environ.get(SEALED) == "1"  # alone in a PID namespace of its own (see course.classroom.sandbox)
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            request = {key: request[key] for key in ("id", "notebook", "check", "answers", "timeout")}
+        except (ValueError, TypeError, KeyError):  # not the grader's (a line written into the pipe): no reply
+            continue
+        exercise = getattr(modules.get(request["notebook"]), request["check"], None)
+        if not isinstance(exercise, Exercise):
+            reply = {"status": "error", "message": f"notebook {request['notebook']} has no exercise {request['check']}"}
+        elif isolate:
+            reply = _in_child(lambda: _judge_one(exercise, request["answers"]), request["timeout"],
+                              keep_closed=(proto.fileno(), sys.stdin.fileno()))
+        else:
+            reply = _judge_one(exercise, request["answers"])
+        proto.write(json.dumps({**reply, "id": request["id"]}) + "\n")
+        if sealed:
+            _kill_strangers()
+    return 0
+
+
+def _kill_strangers():
+    """In the judge's own PID namespace, every process but the judge and the namespace's first
+    (bubblewrap's) one is left over from an answer (a child that left its process group): killed,
+    so it cannot touch a later student's judging."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (1, os.getpid()):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m course.classroom.judge NN [NN ...]  (the grader starts this; see python -m course grade)")
+    sys.exit(serve(sys.argv[1:]))

@@ -1,0 +1,221 @@
+"""A class that fights back (issue 38): one grading run of honest students and attackers, each
+attack a small notebook with notebook 01's cell ids. Every test asserts what the honest students
+earned, that no submission file changed, and that nothing of the run is left running.
+
+Marked slow (real kernels; about two minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
+"""
+
+import contextlib
+import csv
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from course.__main__ import main
+from course.classroom import grading, sandbox
+from test_grading import FULL_BATCH, RIGHT_WEIGHT_GRAD, SOLUTION, STUDENT, WRONG, small, student_01, write
+
+pytestmark = pytest.mark.slow
+MARK = "gradingattack"  # every process an attack starts carries it in its command line
+SLEEPER = f"import subprocess\nfor _ in range({{n}}):\n    subprocess.Popen(['bash', '-c', 'exec -a {MARK} sleep 600'], start_new_session=True)"
+FIND_JUDGE = ("import os, psutil\n"  # as issue 38's forger did: among the kernel's parent's children
+              "judges = [p for p in psutil.Process(os.getppid()).children(recursive=True)\n"
+              "          if 'course.classroom.judge' in ' '.join(p.cmdline())]\n")
+STUB = "def weight_grad(model, x, y):\n    ..."
+SEALED = sandbox.probe() is None
+
+
+def attacks(csv_path, victim, course_file):
+    """{student: notebook}: each attacker answers weight_grad wrongly (or not at all), so any
+    ``correct`` it gets beyond that is forged."""
+    wrong = WRONG["c06"]
+    return {
+        "forger": small(wrong, "check.weight_grad(weight_grad)", FIND_JUDGE + (
+            "import json, os\n"
+            "for p in judges:\n"
+            "    for fd in os.listdir(f'/proc/{p.pid}/fd'):\n"
+            "        try:\n"
+            "            with open(f'/proc/{p.pid}/fd/{fd}', 'w') as f:\n"
+            "                f.write(json.dumps({'status': 'correct', 'message': 'forged'}) + '\\n' * 3)\n"
+            "        except OSError:\n"
+            "            pass\n"), ids=["c06", "c07"]),
+        "escapee": small(wrong, "check.weight_grad(weight_grad)",
+                         "import os, subprocess, sys\n"
+                         "env = {k: v for k, v in os.environ.items() if k != 'COURSE_PROCTREE'}\n"
+                         f"code = 'import time; time.sleep(3); open({str(csv_path)!r}, \"w\").write(\"forged\")  # {MARK}'\n"
+                         "subprocess.Popen([sys.executable, '-c', code], env=env, start_new_session=True)",
+                         ids=["c06", "c07"]),
+        "vandal": small(f"open({str(victim)!r}, 'w').write('{{}}')", wrong, ids=["c01", "c06"]),
+        "judge_killer": small(FIND_JUDGE + "for p in judges:\n    p.kill()",
+                              "def weight_grad(model, x, y):\n    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)",
+                              ids=["c01", "c06"]),
+        # the course it imports (the grader's copy) and, sandboxed only, the grader's own files
+        "course_editor": small(f"import course.checks.nb01 as c\nfor path in [c.__file__, *{[str(course_file)] if SEALED else []!r}]:\n"
+                               "    text = open(path).read()\n"
+                               "    open(path, 'w').write(text + '\\nwrong = correct\\n')",
+                               wrong, ids=["c01", "c06"]),
+        "forker": small(SLEEPER.format(n=200), wrong, ids=["c01", "c06"]),
+        "hog": small("x = bytearray(3 << 30)", wrong, ids=["c01", "c06"]),
+        "talker": small("print('x' * (50 << 20))", wrong, ids=["c01", "c06"]),
+        "exits": small(RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)", "import os\nos._exit(1)", FULL_BATCH,
+                       ids=["c06", "c07"]),
+        "kills_kernel": small(RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+                              ids=["c06", "c07"]),
+        "loops": small(RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)", "while True:\n    pass", FULL_BATCH,
+                       ids=["c06", "c07"]),
+        "late": small(STUB, "check.weight_grad(weight_grad)", "pass", RIGHT_WEIGHT_GRAD.replace("/ y.numel()", "/ y.numel()  # mine"),
+                      ids=["c06", "c07"]),
+    }
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def leftovers():
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if MARK in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    if not SEALED:  # then the vandal and the escapee succeed, as README says: .ci/run installs bubblewrap
+        pytest.skip(f"no sandbox here ({sandbox.probe()}): install bubblewrap")
+    folder = tmp_path_factory.mktemp("hostile")
+    out = tmp_path_factory.mktemp("out") / "grades.csv"
+    solved = {c.id: c.source for c in SOLUTION.cells if c.get("id") in {s.id for s in STUDENT.cells if "✏️ your" in s.source}}
+    paths = {"aaron": write(folder, "aaron", student_01(solved))}  # graded first: before any attack
+    victim = folder / "zoe" / "01_single_device.ipynb"
+    course_file = sandbox.Path(grading.__file__).parents[1] / "checks" / "nb01.py"
+    course_before = digest(course_file)
+    paths.update((s, write(folder, s, nb)) for s, nb in attacks(out, victim, course_file).items())
+    paths["yann"] = write(folder, "yann", small(RIGHT_WEIGHT_GRAD, FULL_BATCH, ids=["c06", "c09"]))
+    paths["zoe"] = write(folder, "zoe", student_01(solved))  # graded last: after every attack
+    paths["wrong"] = write(folder, "wrong", student_01(WRONG))
+    before = {s: digest(p) for s, p in paths.items()}
+    limits = ["--cell-timeout", "60", "--notebook-timeout", "300", "--check-timeout", "60", "--jobs", "2"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["grade", *(str(folder / s) for s in paths), "--csv", str(out), *limits]) == 0
+    time.sleep(5)  # the escapee's delay: had it survived, it would have written by now
+    with open(out, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return {"rows": rows, "paths": paths, "before": before, "after": {s: digest(p) for s, p in paths.items()},
+            "printed": printed.getvalue(), "left": leftovers(), "course": (course_before, digest(course_file)), "out": out}
+
+
+def verdicts(graded, student):
+    return {r["exercise"]: r["verdict"] for r in graded["rows"] if r["student"] == student}
+
+
+def feedback(graded, student, exercise):
+    return next(r["feedback"] for r in graded["rows"] if r["student"] == student and r["exercise"] == exercise)
+
+
+ALL = dict.fromkeys(["weight_grad", "chunk_mean_grad", "chunk_loss"], "correct")
+
+
+def test_honest_students_get_exactly_what_they_earned(graded):
+    assert verdicts(graded, "aaron") == verdicts(graded, "zoe") == ALL
+    assert verdicts(graded, "yann") == {"weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
+    assert verdicts(graded, "wrong") == {"weight_grad": "wrong", "chunk_mean_grad": "wrong", "chunk_loss": "not attempted"}
+
+
+@pytest.mark.parametrize("attacker", ["forger", "escapee", "vandal", "judge_killer", "course_editor", "forker", "hog", "talker"])
+def test_an_attacker_gets_no_verdict_it_did_not_earn(graded, attacker):
+    mine = verdicts(graded, attacker)
+    assert mine["weight_grad"] in ("wrong", "error") and "correct" not in mine.values(), mine
+    if attacker == "course_editor":
+        assert mine["weight_grad"] == "wrong"  # judged by the course as copied before any notebook ran
+
+
+def test_every_submission_file_and_the_course_are_unchanged(graded):
+    assert graded["after"] == graded["before"]
+    assert graded["course"][0] == graded["course"][1]
+
+
+def test_nothing_of_the_run_is_left_running_and_the_csv_is_the_graders(graded):
+    assert graded["left"] == []
+    text = graded["out"].read_text(encoding="utf-8")
+    assert text.startswith(",".join(grading.report.COLUMNS)) and "forged" not in text
+    assert len(graded["rows"]) == 3 * len(graded["paths"])
+
+
+def test_verdicts_earned_before_a_crash_or_hang_are_kept(graded):
+    for student in ("exits", "kills_kernel"):
+        assert verdicts(graded, student)["weight_grad"] == "correct"
+        assert "the kernel died while running cell 3" in feedback(graded, student, "chunk_mean_grad")
+    assert verdicts(graded, "loops") == {"weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
+
+
+def test_the_final_definition_counts_when_the_stub_stayed_in_place(graded):
+    assert verdicts(graded, "late")["weight_grad"] == "correct"
+    assert feedback(graded, "late", "weight_grad").endswith(grading.FINAL_NOTE)
+
+
+def test_the_report_says_whether_submissions_were_isolated(graded):
+    first = graded["printed"].splitlines()[0]
+    assert first.startswith("course version ") and first.endswith("sandboxed" if SEALED else "")
+    assert len({r["isolation"] for r in graded["rows"]}) == 1 and (graded["rows"][0]["isolation"] == "sandboxed") == SEALED
+    assert len({r["course"] for r in graded["rows"]}) == 1
+    assert "identical answers to notebook 01's weight_grad: aaron, zoe" in graded["printed"]
+    answers = graded["out"].with_name("grades-answers")
+    assert "def weight_grad" in (answers / "aaron.py").read_text() and (answers / "hog.py").read_text() == ""
+
+
+@pytest.mark.skipif(not SEALED, reason="no sandbox here")
+def test_a_sandboxed_judge_killer_loses_only_its_own_exercise(graded):
+    assert "judge stopped" in feedback(graded, "judge_killer", "weight_grad")
+
+
+def test_a_grader_told_to_stop_keeps_what_it_graded_and_leaves_no_temp_folder(tmp_path):
+    folder, tmp = tmp_path / "class", tmp_path / "tmp"
+    tmp.mkdir()
+    write(folder, "a", small(RIGHT_WEIGHT_GRAD, ids=["c06"]))
+    write(folder, "b", small(RIGHT_WEIGHT_GRAD, SLEEPER.format(n=3) + "\nimport time\ntime.sleep(600)", ids=["c06"]))
+    out = tmp_path / "grades.csv"
+    grader = subprocess.Popen([sys.executable, "-m", "course", "grade", str(folder / "a"), str(folder / "b"), "--csv", str(out)],
+                              env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 4):  # a's three rows
+            time.sleep(0.5)
+        time.sleep(3)  # b's kernel is running
+        grader.send_signal(signal.SIGTERM)
+        assert grader.wait(60) == 130
+    finally:
+        grader.kill()
+    assert "grading stopped" in grader.stderr.read()
+    with open(out, newline="", encoding="utf-8") as f:
+        assert [(r["student"], r["verdict"]) for r in csv.DictReader(f)][:1] == [("a", "correct")]
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("course-grade-")] == []  # (torch's own caches may be there)
+    time.sleep(1)
+    assert leftovers() == []
+
+
+def test_without_a_sandbox_forged_replies_still_earn_nothing(tmp_path):
+    """Not isolated (``--no-sandbox``), the forger reaches the judge's pipes, as issue 38 found: its
+    lines name no request, so they are ignored, and the next student gets her own verdicts."""
+    forger = attacks(tmp_path / "grades.csv", tmp_path / "none", tmp_path / "none")["forger"]
+    paths = [("forger", write(tmp_path, "forger", forger)), ("next", write(tmp_path, "next", small(RIGHT_WEIGHT_GRAD, FULL_BATCH,
+                                                                                                      ids=["c06", "c09"])))]
+    logged = []
+    rows = [v.row() for v in grading.grade_notebooks(paths, grading.Limits(cell=60), log=logged.append, sealed=False)]
+    assert any(line.endswith("answered no request (forged?) and were ignored") for line in logged), logged  # they were written
+    assert {r["exercise"]: r["verdict"] for r in rows if r["student"] == "forger"} == {
+        "weight_grad": "wrong", "chunk_mean_grad": "error", "chunk_loss": "error"}
+    assert {r["exercise"]: r["verdict"] for r in rows if r["student"] == "next"} == {
+        "weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
+    assert {r["isolation"] for r in rows} == {"NOT ISOLATED: turned off (--no-sandbox)"}
