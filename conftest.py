@@ -15,8 +15,9 @@ nbval runs every notebook it collects, one pytest item per code cell.
   ``hint()`` and ``solution()`` show as Markdown in Jupyter (``course.classroom.exercises``) and as the same
   text in text/plain, which is compared (tests/test_feedback.py asserts the two say the same). So
   stored outputs made before or after the Markdown form existed compare equal.
-* tests/test_browser.py (JupyterLab in headless Chromium, about a minute) runs only when named
-  (``pytest tests/test_browser.py``, as ``.ci/run`` does beside the main run), not in ``pytest``.
+* tests/test_browser.py (JupyterLab in headless Chromium, about a minute) and tests/test_site.py
+  (the website: built with Sphinx, then read in Chromium) run only when named (``pytest
+  tests/test_browser.py tests/test_site.py``, as ``.ci/run`` does beside the main run), not in ``pytest``.
 * Tests of a judge's own reasons use the fixture ``judges_only`` (``course.classroom.guard`` off: their
   wrong answers are the course's finished code with one thing changed).
 * A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
@@ -46,7 +47,7 @@ def pytest_configure(config):
 
 
 RICH_TWINS = ("text/markdown",)  # shown in Jupyter; their text/plain twin is what nbval compares
-BROWSER_TEST = "test_browser.py"  # a minute in JupyterLab + Chromium: run on its own (.ci/run does)
+BROWSER_TESTS = ("test_browser.py", "test_site.py")  # a minute or two each in Chromium: run on their own (.ci/run does)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,10 +72,11 @@ def pytest_collection_modifyitems(config, items):
                 to_run[path.name] = set(student_cells_to_run(solution, nbformat.read(path, as_version=4)))
             if item.cell.get("id") not in to_run[path.name]:
                 item.options["skip"] = True  # ran, in the same state, in the solution notebook
-    named = any(BROWSER_TEST in arg for arg in config.args)
+    named = {name for name in BROWSER_TESTS if any(name in arg for arg in config.args)}
     for item in items:
-        if Path(str(item.path)).name == BROWSER_TEST and not named:
-            item.add_marker(pytest.mark.skip(reason=f"the browser test runs on its own: pytest tests/{BROWSER_TEST}"))
+        name = Path(str(item.path)).name
+        if name in BROWSER_TESTS and name not in named:
+            item.add_marker(pytest.mark.skip(reason=f"a browser test runs on its own: pytest tests/{name}"))
     for item in items:
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("repeats_solution_notebook") and Path(callspec.params["path"]).name in solutions_here:

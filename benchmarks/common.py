@@ -24,15 +24,16 @@ def header(title: str):
     )
 
 
-def timed(fn, repeats: int, warmup: int = 1):
-    """Run ``fn`` warmup + repeats times; return the repeats' wall times in seconds."""
+def timed(fn, repeats: int, warmup: int = 1, clock=time.perf_counter):
+    """Run ``fn`` warmup + repeats times; return the repeats' times in seconds (wall times, or
+    ``clock=time.process_time``: this process's CPU time)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 

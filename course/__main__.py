@@ -1,4 +1,4 @@
-"""Command line: ``python -m course doctor``, ``build``, ``grade`` (instructors) and ``progress`` (students)."""
+"""Command line: ``python -m course doctor``, ``build``, ``site``, ``grade`` (instructors) and ``progress`` (students)."""
 
 import argparse
 import sys
@@ -11,6 +11,8 @@ def main(argv=None):
     build = sub.add_parser("build", help="re-execute solutions/ (storing outputs) and regenerate notebooks/")
     build.add_argument("names", nargs="*", help="only notebooks whose file name contains one of these")
     build.add_argument("--no-execute", action="store_true", help="only regenerate the student notebooks")
+    site = sub.add_parser("site", help="build the course's website from solutions/ and their stored outputs")
+    site.add_argument("--out", default=None, help="the folder to write it to (default: build/site)")
     grade = sub.add_parser("grade", help="grade students' notebooks: each exercise's verdict, judged by the course's checks")
     grade.add_argument("submissions", nargs="+", help="student notebooks, or folders of them (one folder per student)")
     grade.add_argument("--csv", help="write one row per student and exercise to this file")
@@ -34,6 +36,15 @@ def main(argv=None):
         from course.classroom.doctor import doctor
 
         return doctor()
+    if args.command == "site":
+        from course.classroom import site
+
+        try:
+            site.build(args.out or site.OUT)
+        except site.SiteError as e:
+            print(f"python -m course site: {e}", file=sys.stderr)
+            return 1
+        return 0
     from course.classroom.notebooks import build as build_notebooks
 
     build_notebooks(args.names, run=not args.no_execute)

@@ -27,7 +27,7 @@ def _exercise_namespace(nb):
             continue
         if "SOLUTION" in cell.source or "✏️ your" in cell.source:
             before = dict(namespace)
-            exec(cell.source, namespace)
+            exec(compile(cell.source, "<notebook cell>", "exec"), namespace)  # a cell's file, not exec's <string>
             answers |= {name for name in namespace if namespace[name] is not before.get(name)}
             continue
         try:
@@ -58,7 +58,7 @@ def _checks_of(path):
 
 
 def _skip_where_the_notebook_cannot_run(nb):
-    """Notebooks 11-16 declare torch >= PART_II_TORCH in their first cell (require_torch): their
+    """Notebooks 11-17 declare torch >= PART_II_TORCH in their first cell (require_torch): their
     answers and checks are tested on such a torch only, as the notebooks themselves are."""
     from course.classroom.doctor import PART_II_TORCH, torch_at_least
 

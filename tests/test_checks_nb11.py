@@ -181,6 +181,17 @@ def test_zero1_step_accepts_a_step_that_zeroes_the_gradient_afterwards():
     assert nb11.zero1_step(_zero_grad_after_the_step).status == "correct"
 
 
+def test_zero1_step_without_wire_judges_by_process_groups_and_says_so(monkeypatch):
+    """Where course.observe.wire cannot measure (macOS, Windows; simulated), the all-reduce hidden on a
+    subgroup is still rejected (a process group of the answer's own), and a right answer's verdict says
+    the bytes were not measured."""
+    monkeypatch.setattr(nb11.wire, "available", lambda: False)
+    feedback = nb11.zero1_step(_scatters_for_show_and_all_reduces_on_a_subgroup)
+    assert feedback.status == "wrong" and "process group of its own" in feedback.message, feedback
+    feedback = nb11.zero1_step(_zero_grad_after_the_step)
+    assert feedback.status == "correct" and "bytes on the wire not measured" in feedback.message, feedback
+
+
 # ------------------------------------------------------------------ Exercise 2 (fully_shard_by_hand)
 
 
@@ -329,6 +340,48 @@ def _all_reduces(model, units):
     return _hooks(model, units, reduce=_reduce_by(_all_reduce_on(None), free=True))
 
 
+def _reduce_after_backward(stash):
+    """ZeRO-3's parameter freeing, but every gradient reduce-scattered only when backward ends (a callback
+    queued on autograd's engine): whole gradients all through backward. With ``stash`` the whole gradients
+    are moved out of p.grad into a list of the answer's own until then."""
+
+    def attach(shards):
+        world_size, queued, stashed = dist.get_world_size(), [], {}
+
+        def reduce_all():
+            queued.clear()
+            for p, shard in shards.items():
+                whole = stashed.pop(p, None) if stash else p.grad
+                if whole is None:
+                    continue
+                grad = torch.nn.functional.pad(whole.reshape(-1), (0, -p.numel() % world_size))
+                mine = torch.empty_like(shard)
+                dist.reduce_scatter_tensor(mine, grad)
+                shard.grad = mine / world_size if shard.grad is None else shard.grad + mine / world_size
+                p.grad = None
+
+        def hook(p):
+            if stash:
+                stashed[p], p.grad = p.grad, None
+            free_parameter(p)
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(reduce_all)
+
+        for p in shards:
+            p.register_post_accumulate_grad_hook(hook)
+
+    return attach
+
+
+def _keeps_whole_gradients_until_backward_ends(model, units):
+    return _hooks(model, units, reduce=_reduce_after_backward(stash=False))
+
+
+def _stashes_whole_gradients_until_backward_ends(model, units):
+    return _hooks(model, units, reduce=_reduce_after_backward(stash=True))
+
+
 def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
     feedback = nb11.fully_shard_by_hand(_hooks)
     assert feedback.status == "correct", feedback
@@ -347,6 +400,8 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
         (_all_reduces_on_a_subgroup_unit, "saw no reduce-scatter of every trainable gradient"),
         (_sums_gathered_gradients_unit, "saw no reduce-scatter of every trainable gradient"),
         (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
+        (_keeps_whole_gradients_until_backward_ends, "whole gradients of units it had passed were still held"),
+        (_stashes_whole_gradients_until_backward_ends, "not reduce-scattered into their shards yet"),
         (fully_shard_by_hand, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         (_calls_the_course_version, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         pytest.param(_fsdp2, "that is PyTorch's FSDP2", marks=pytest.mark.skipif(
@@ -358,13 +413,25 @@ def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
+def test_fully_shard_by_hand_without_wire_judges_by_process_groups_and_says_so(monkeypatch):
+    """Where course.observe.wire cannot measure (simulated): the all-reduce on a subgroup behind a
+    reduce-scatter for show is rejected by another measure, and a right answer is told what was not checked."""
+    monkeypatch.setattr(nb11.wire, "available", lambda: False)
+    feedback = nb11.fully_shard_by_hand(_scatters_for_show_unit)
+    assert feedback.status == "wrong" and "process group of its own" in feedback.message, feedback
+    feedback = nb11.fully_shard_by_hand(_hooks)
+    assert feedback.status == "correct" and "bytes on the wire not measured" in feedback.message, feedback
+
+
 # ------------------------------------------------------------------ Exercise 3 (scaled_step)
 
 
-def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch.isfinite):
+def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch.isfinite, first_only=False):
     def step(shards, optimizer, loss, scale):
         (loss * scale).backward()
-        if test is torch.isinf:  # misses a NaN
+        if first_only:  # looks at the first shard only
+            found = torch.tensor([float(not torch.isfinite(next(iter(shards.values())).grad).all())])
+        elif test is torch.isinf:  # misses a NaN
             found = torch.tensor([float(any(torch.isinf(s.grad).any() for s in shards.values()))])
         else:
             found = torch.tensor([float(not all(torch.isfinite(s.grad).all() for s in shards.values()))])
@@ -415,6 +482,7 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
         (_scaler(zero_on_skip=False), "zero the gradients"),
         (_scaler(halve=False), "halve it when the step is skipped"),
         (_scaler(test=torch.isinf), "test with torch.isfinite"),
+        (_scaler(first_only=True), "step 1 was taken though a gradient held an inf or a NaN"),
         (_sharded_grad_scaler, "that is PyTorch's GradScaler"),
         (lambda shards, optimizer, loss, scale: scale, "return (the new scale, whether the step was taken)"),
     ],
@@ -454,6 +522,8 @@ def test_bytes_per_rank_answer_is_what_a_real_run_measures():
         (_with(1, "optimizer", 6744), "count Adam's `step` too"),
         (_with(1, "optimizer", 6760), "one step counter"),
         (_with(1, "optimizer", 6746), "padded to a multiple of the world size"),  # 8P/4 + 4: no padding
+        (_with(1, "optimizer", 6740), "843 per rank, not 842"),  # the unpadded count, 3,371 // 4 = 842
+        (_with(1, "optimizer", 6746.0), "padded to a multiple of the world size"),  # 8 * 3,371 / 4 + 4
         (_with(1, "parameters", 3371), "ZeRO-1 shards only the optimizer state"),
         (_with(1, "parameters", 3372), "ZeRO-1 shards only the optimizer state"),
         (_with(1, "gradients", 3371), "ZeRO-1 keeps the full gradients"),
@@ -494,6 +564,9 @@ def test_checkpoint_sequential_counts_are_measured():
         ([2, 2, 1, 1], 300, "Tensors shared between blocks count once"),
         ([2, 2, 1], 320, "4 of them"),
         ("two", 320, "a list of 4 whole numbers"),
+        ([2.5, 2, 1, 1], 320, "a whole number of times"),
+        ([2.4, 2.4, 1.2, 1.2], 320, "a whole number of times"),  # int() would have made them right
+        ([True, 2, 1, 1], 320, "a whole number of times"),
     ],
 )
 def test_checkpoint_sequential_rejects_wrong_answers(calls, kib, hint):

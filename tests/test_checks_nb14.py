@@ -39,7 +39,7 @@ def _out_only(out1, lse1, out2, lse2):
     return merge(out1, lse1, out2, lse2)[0]
 
 
-def _logaddexp(out1, lse1, out2, lse2):  # another correct answer
+def _logaddexp(out1, lse1, out2, lse2):  # right unless both lse are -inf: -inf - (-inf) is nan
     lse = torch.logaddexp(lse1, lse2)
     return (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2, lse
 
@@ -56,9 +56,20 @@ def _three_d_only(out1, lse1, out2, lse2):  # right on (heads, tokens, dim), rai
     return w1[:, :, None] * out1 + w2[:, :, None] * out2, lse
 
 
+def _logaddexp_guarded(out1, lse1, out2, lse2):  # another correct answer
+    lse = torch.logaddexp(lse1, lse2)
+    safe = lse.masked_fill(lse == float("-inf"), 0)
+    return (lse1 - safe).exp()[..., None] * out1 + (lse2 - safe).exp()[..., None] * out2, lse
+
+
 def test_merge_accepts_correct_answers():
     assert nb14.merge(merge).status == "correct"
-    assert nb14.merge(_logaddexp).status == "correct"
+    assert nb14.merge(_logaddexp_guarded).status == "correct"
+
+
+def test_merge_keeps_two_empty_partials_empty():
+    out, lse = merge(torch.zeros(3, 4), torch.full((3,), float("-inf")), torch.zeros(3, 4), torch.full((3,), float("-inf")))
+    assert torch.equal(out, torch.zeros(3, 4)) and torch.equal(lse, torch.full((3,), float("-inf")))
 
 
 @pytest.mark.parametrize(
@@ -70,6 +81,7 @@ def test_merge_accepts_correct_answers():
         (_not_normalised, "merged output differs"),
         (_out_only, "return a pair"),
         (_softplus, "see none of one chunk (lse -inf)"),
+        (_logaddexp, "both saw no key (lse -inf)"),
         (_three_d_only, "4-D (batch, heads, tokens, dim) tensors"),
         (lambda out1, lse1, out2, lse2: (torch.zeros(2, 5, 8), torch.zeros(2, 5)), "merged lse differs"),
     ],
@@ -98,22 +110,38 @@ def test_an_untouched_stub_is_not_attempted():
 # ------------------------------------------------------------------ Exercise 2: ring_forward
 
 
-def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=None, overlap=True, result="pair"):
+def _merge_without_the_max(out1, lse1, out2, lse2):  # right in exact arithmetic; inf/nan for large scores
+    w1, w2 = lse1.exp(), lse2.exp()
+    return (w1[..., None] * out1 + w2[..., None] * out2) / (w1 + w2).clamp(min=1e-30)[..., None], (w1 + w2).log()
+
+
+def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=None, overlap=True, result="pair",
+          merge_fn=merge, keep_clones=False, busy_wait=False, shape_of=None):
     """A ring forward with one thing changed, to build the wrong answers below."""
 
     def ring_forward(q, k, v, layout, causal=False):
         rank, n = dist.get_rank(), dist.get_world_size()
         kv = torch.stack([k, v])
         out = lse = None
+        kept = []
         for step in range(n):
             src = (rank - step) % n
             shape = (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1])
+            if shape_of is not None:
+                shape = shape_of(k, layout, src, n)
+            if keep_clones:
+                kept.append(kv.clone())
             if step < n - 1 and overlap:
                 incoming, requests = pass_fn(kv, shape)
             mask = causal if attend_causal is None else attend_causal
             k_pos = layout[src] if key_positions is None else layout[rank]
+            if busy_wait and step < n - 1:  # blocking: a dummy product between post and wait, then attend
+                torch.ones(2, 2) @ torch.ones(2, 2)
+                for request in requests:
+                    request.wait()
+                requests = []
             o, l = attend(q, kv[0], kv[1], layout[rank], k_pos, mask)
-            out, lse = (o, l) if out is None else merge(out, lse, o, l)
+            out, lse = (o, l) if out is None else merge_fn(out, lse, o, l)
             if step < n - 1:
                 if not overlap:
                     incoming, requests = pass_fn(kv, shape)
@@ -267,7 +295,7 @@ def test_ring_forward_accepts_batch_isend_irecv():
     [
         (_all_gather, "called dist.all_gather"),
         (_all_gather_functional, "built a tensor of"),
-        (_everyone, "not its neighbour"),
+        (_everyone, "chunks' K and V at once"),  # on 3 ranks both peers are neighbours; 4 buffers alive
         (_ring(pass_fn=_two_rank_pass), "compute the neighbours"),
         (_ring(pass_fn=_blocking_pass), "called dist.send"),
         (_ring(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product"),
@@ -279,6 +307,11 @@ def test_ring_forward_accepts_batch_isend_irecv():
         (_keep_all(overlap=True), "chunks' K and V at once"),
         (_c10d_all_gather, "called dist.all_gather"),
         (_own_chunk_only, "no isend/irecv seen"),
+        (_ring(merge_fn=_merge_without_the_max), "has inf or nan"),
+        (_ring(keep_clones=True), "(receive buffers, stacks, clones: any copy)"),
+        (_ring(busy_wait=True), "no matrix product on keys or values"),
+        (_ring(shape_of=lambda k, layout, src, n: (2, *k.shape[:-2], len(layout[src]), k.shape[-1])),
+         "receive buffer number"),  # the shape of the chunk held, not of the one arriving: uneven chunks differ
     ],
 )
 def test_ring_forward_rejects_wrong_answers(answer, hint, monkeypatch):

@@ -1,22 +1,121 @@
 """Notebook 15's checks accept the course's answers and reject plausible wrong ones with a specific hint."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course.parallel import expert_parallel as ep
 from course.checks import nb15
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 # The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = [
-    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"),
+    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"),
     pytest.mark.usefixtures("judges_only"),
 ]
 
-# ------------------------------------------------------------------ Exercise 1: dispatch and combine
+# ------------------------------------------------------------------ Exercise 1: routing and the capacity
+
+
+def _ignores_capacity(experts, n_experts, capacity):
+    return torch.ones_like(experts, dtype=torch.bool)
+
+
+def _token_order(experts, n_experts, capacity):  # token 0's choices, then token 1's, ...: not first choices first
+    queue = F.one_hot(experts.reshape(-1), n_experts)
+    place = (queue.cumsum(0) * queue).sum(-1) - 1
+    return (place < capacity).view(experts.shape)
+
+
+def _one_too_many(experts, n_experts, capacity):  # place <= capacity: capacity + 1 kept
+    tokens, k = experts.shape
+    queue = F.one_hot(experts.T.reshape(-1), n_experts)
+    place = (queue.cumsum(0) * queue).sum(-1) - 1
+    return (place <= capacity).view(k, tokens).T
+
+
+def _route_with(top=None, weights="top-k softmax", capacity="right"):
+    def route(router, x, k, capacity_factor=None):
+        logits = router(x)
+        scores, experts = logits.topk(top or k, dim=-1)
+        w = scores.softmax(-1) if weights == "top-k softmax" else logits.softmax(-1).gather(-1, experts)
+        keep = torch.ones_like(experts, dtype=torch.bool)
+        if capacity_factor is not None and capacity != "ignored":
+            per = x.shape[0] * (k if capacity == "right" else 1)
+            keep = ep.within_capacity(experts, logits.shape[-1], math.ceil(capacity_factor * per / logits.shape[-1]))
+        return ep.Routing(experts, w, keep, logits)
+
+    return route
+
+
+def test_routing_accepts_the_course_functions():
+    assert nb15.routing(ep.route, ep.within_capacity).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "route, within_capacity, hint",
+    [
+        (ep.route, _ignores_capacity, "an expert keeps at most its capacity"),
+        (ep.route, _one_too_many, "an expert keeps at most its capacity"),
+        (ep.route, _token_order, "first choices of"),
+        (_route_with(top=1), ep.within_capacity, "top-1 for top-2"),
+        (_route_with(weights="all experts"), ep.within_capacity, "not the softmax over all experts"),
+        (_route_with(capacity="ignored"), ep.within_capacity, "every assignment was kept"),
+        (_route_with(capacity="without k"), ep.within_capacity, "ceil(capacity_factor x tokens x k / experts)"),
+    ],
+)
+def test_routing_rejects_wrong_answers(route, within_capacity, hint):
+    feedback = nb15.routing(route, within_capacity)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 2: the load-balancing loss
+
+
+def _aux(divide_by="assignments", times_e=True, p_from="logits", straight_through=False, guard_empty=True):
+    def load_balancing_loss(routing):
+        n_experts = routing.logits.shape[-1]
+        if guard_empty and routing.experts.numel() == 0:
+            return routing.logits.sum() * 0
+        counts = F.one_hot(routing.experts, n_experts).sum((0, 1)).to(routing.logits.dtype)
+        f = counts / (routing.experts.numel() if divide_by == "assignments" else routing.experts.shape[0])
+        if p_from == "logits":
+            p = routing.logits.softmax(-1).mean(0)
+        else:  # the k weights, scattered to their experts
+            p = torch.zeros_like(routing.logits).scatter(-1, routing.experts, routing.weights).mean(0)
+        if straight_through:  # f's value, but a gradient through the probabilities
+            soft = routing.logits.softmax(-1).mean(0)
+            f = f + soft - soft.detach()
+        return (n_experts if times_e else 1) * (f * p).sum()
+
+    return load_balancing_loss
+
+
+def test_balancing_loss_accepts_the_course_function():
+    assert nb15.balancing_loss(ep.load_balancing_loss).status == "correct"
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (_aux(divide_by="tokens"), "k = 2 times too large"),
+        (_aux(times_e=False), "times too small: multiply by E"),
+        (_aux(p_from="weights"), "not the k weights"),
+        (_aux(straight_through=True), "the value is right but the gradient is not"),
+        (_aux(guard_empty=False), "0, not 0/0"),
+    ],
+)
+def test_balancing_loss_rejects_wrong_answers(answer, hint):
+    feedback = nb15.balancing_loss(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# ------------------------------------------------------------------ Exercise 3: dispatch and combine
 
 
 def _gather_dispatch(x_sorted, counts, group=None):  # every token to every rank, then keep this rank's
@@ -39,6 +138,22 @@ def _gather_dispatch(x_sorted, counts, group=None):  # every token to every rank
         received.append(parts[source][start:stop])
         counts_received.append(c[rank * per_rank:(rank + 1) * per_rank])
     return torch.cat(received), torch.stack(counts_received)
+
+
+def _everything_dispatch(x_sorted, counts, group=None):  # every token to every rank, all_to_all_single only
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts_received = ep.exchange_counts(counts, group)
+    all_counts = torch.empty(n * len(counts), dtype=counts.dtype)
+    dist.all_to_all_single(all_counts, counts.repeat(n), group=group)  # every rank's counts, to every rank
+    all_counts = all_counts.view(n, -1)
+    sizes = all_counts.sum(1).tolist()
+    everything = ep.AllToAll.apply(x_sorted.repeat(n, 1), sizes, [len(x_sorted)] * n, group)
+    per_rank, parts, start = len(counts) // n, [], 0
+    for source in range(n):
+        before = int(all_counts[source, : rank * per_rank].sum())
+        parts.append(everything[start + before: start + before + int(counts_received[source].sum())])
+        start += sizes[source]
+    return torch.cat(parts), counts_received
 
 
 def _even_dispatch(x_sorted, counts, group=None):  # all_to_all_single without split sizes
@@ -113,6 +228,7 @@ def _no_exchange_combine(y_received, counts, counts_received, group=None):  # re
         (_counts_by_expert_dispatch, ep.combine, "a rank failed"),  # sizes that disagree: gloo refuses
         (ep.dispatch, _unswapped_combine, "a rank failed"),
         (ep.dispatch, _no_exchange_combine, "differs from the single-process"),
+        (_everything_dispatch, ep.combine, "an all-gather in disguise"),
     ],
 )
 def test_dispatch_combine_rejects_wrong_answers(dispatch, combine, hint):
@@ -134,8 +250,18 @@ def test_the_stub_is_not_attempted():
 
     assert nb15.dispatch_combine(dispatch, ep.combine).status == "todo"
 
+    def within_capacity(experts, n_experts, capacity):
+        ...
 
-# ------------------------------------------------------------------ Exercise 2: bytes
+    def load_balancing_loss(routing):
+        """The docstring the student sees."""
+        ...
+
+    assert nb15.routing(ep.route, within_capacity).status == "todo"
+    assert nb15.balancing_loss(load_balancing_loss).status == "todo"
+
+
+# ------------------------------------------------------------------ Exercise 4: bytes
 
 
 def _right(counts, rank, dim):
@@ -172,7 +298,7 @@ def test_random_send_counts_keep_a_chunk_at_home():
         assert (counts.diagonal() >= 2).all() and len(set(counts.flatten().tolist())) > 2
 
 
-# ------------------------------------------------------------------ Exercise 3: EP x DP gradient sync
+# ------------------------------------------------------------------ Exercise 5: EP x DP gradient sync
 
 
 def _trained(model):  # the parameters with a gradient (the check's experts have frozen biases)

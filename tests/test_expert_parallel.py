@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 
 from course.parallel import expert_parallel as ep
+import course
 from course import launch
 from course.checks import nb15
 from course.classroom.notebooks import SOLUTIONS, definitions
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the same sums, perhaps in another order
@@ -146,6 +147,18 @@ def _uneven(rank, world_size):
     return True
 
 
+def _rows_to_self_differ(rank, world_size):  # rank 0 sends itself 2 rows but expects 1 from itself
+    sends, expects = ([2, 0], [1, 0]) if rank == 0 else ([0, 0], [0, 0])
+    dist.all_to_all_single(torch.empty(sum(expects), 4), torch.ones(sum(sends), 4), expects, sends)
+
+
+def test_rows_to_and_from_itself_that_differ_raise_gloos_runtime_error():
+    # notebook 15, section 2: the one disagreement of split sizes that is a Python exception (torch 2.15, gloo)
+    with pytest.raises(course.WorkerError, match=r"RuntimeError.*alltoallv\.cc.*inLengthPerRank\[myRank\] == "
+                       r"outLengthPerRank\[myRank\]"):
+        launch(_rows_to_self_differ, 2, show=None, timeout=30)
+
+
 def test_experts_that_do_not_split_evenly_are_refused_with_a_clear_error():
     assert launch(_uneven, 3, show=None) == [True] * 3
 
@@ -224,7 +237,7 @@ def test_ranks_initialised_differently_start_from_rank_0s_router_and_their_dp_gr
 
 
 DERIVED = ["Expert", "Routing", "within_capacity", "route", "load_balancing_loss", "MoE", "AllToAll",
-           "run_experts", "ExpertParallelMoE", "expert_parameters"]  # dispatch and combine: Exercise 1, the package's printed
+           "run_experts", "ExpertParallelMoE", "expert_parameters"]  # dispatch and combine: Exercise 3, the package's printed
 
 
 @pytest.mark.parametrize("name", DERIVED)

@@ -25,7 +25,7 @@ def _exercises():
 
 
 GUARDED = sorted((ex for ex in _exercises() if ex.finished), key=lambda ex: (ex.notebook, ex.__name__))
-NEEDS_PART_II_TORCH = {"11", "14", "15", "16"}
+NEEDS_PART_II_TORCH = {"11", "14", "15", "16", "17"}
 
 
 def _skip_old_torch(ex):
@@ -210,13 +210,17 @@ def test_who_may_call_it(tmp_path):
     from course.parallel import context_parallel as cp
 
     x, lse = torch.zeros(2, 3), torch.zeros(2)
+    space = {"guard": guard}
+    _frame("def reference(f):\n    return guard.original(f)", str(checks / "nb99.py"), space)  # a check's own
     with guard.guarding(["course.parallel.context_parallel.merge"]):
         assert guard.active() == ("course.parallel.context_parallel.merge",)
         assert not hasattr(cp.merge, "__wrapped__")  # nothing hands the original out
-        out, merged = guard.original(cp.merge)(x, lse, x, lse)  # a check's own reference
+        out, merged = space["reference"](cp.merge)(x, lse, x, lse)  # a check's own reference
         assert torch.equal(merged, torch.full((2,), 0.6931471805599453))  # log 2: it ran
         with pytest.raises(guard.FinishedVersionUsed, match="course.parallel.context_parallel.merge"):
             cp.merge(x, lse, x, lse)  # from this test: the student's code
+        with pytest.raises(guard.FinishedVersionUsed, match="course.parallel.context_parallel.merge"):
+            guard.original(cp.merge)  # asked by this test: the student
     assert guard.active() == () and guard.original(cp.merge) is cp.merge
     assert torch.equal(cp.merge(x, lse, x, lse)[1], merged)
 
@@ -245,3 +249,98 @@ def test_every_exercise_whose_answer_the_package_holds_guards_it():
     assert len(held) >= 14
     missing = [(nb, name, dotted) for nb, name, dotted in held if dotted not in by_name[(nb, name)].finished]
     assert missing == []
+
+
+# ------------------------------------------------------------------ the finished code by other means
+# Each of these was handed to notebooks 11, 14, 15 and 16 and passed before the guard compared code by
+# what it does (bytecode, names, constants) and refused guard.original and importlib.reload to an answer.
+
+PART_II = [ex for ex in GUARDED if ex.notebook in NEEDS_PART_II_TORCH]
+ONE_PER_NOTEBOOK = [next(ex for ex in PART_II if ex.notebook == nb) for nb in sorted(NEEDS_PART_II_TORCH)]
+
+
+def _by(cell):
+    """A way to hand in the finished version: ``cell`` (a notebook cell, with ``m`` the finished
+    version's module and ``name`` its name) defines ``answer``."""
+    def make(dotted):
+        module_name, _, name = dotted.rpartition(".")
+        space = {"__name__": "__main__"}
+        source = f"import {module_name} as m\nname = {name!r}\n" + cell
+        exec(compile(source, "<notebook cell>", "exec"), space)
+        return space["answer"]
+    return make
+
+
+ASK_FOR_THE_ORIGINAL = _by("from course.classroom import guard\n"
+                           "def answer(*a, **k):\n    return guard.original(getattr(m, name))(*a, **k)")
+REBUILD = ("import types\nf = getattr(m, name)\n"
+           "def rebuilt():\n    g = types.FunctionType(f.__code__.replace(co_firstlineno=1), f.__globals__, f.__name__,"
+           " f.__defaults__, f.__closure__)\n    g.__kwdefaults__ = f.__kwdefaults__\n    return g\n")
+WAYS = {
+    "a relined copy in a container": _by(REBUILD + "fns = [rebuilt()]\ndef answer(*a, **k):\n    return fns[0](*a, **k)"),
+    "its source run by exec": _by("import inspect\nspace = dict(vars(m))\nexec(inspect.getsource(getattr(m, name)), space)\n"
+                                  "fns = {'f': space[name]}\ndef answer(*a, **k):\n    return fns['f'](*a, **k)"),
+    "a copy reached by a computed name": _by(REBUILD + "globals()['hid' + 'den'] = rebuilt()\n"
+                                             "def answer(*a, **k):\n    return globals()['hid' + 'den'](*a, **k)"),
+    "kept from before a reload": _by("import importlib\nold = [getattr(m, name)]\nimportlib.reload(m)\n"
+                                     "def answer(*a, **k):\n    return old[0](*a, **k)"),
+    "a reload during the check": _by("import importlib\n"
+                                     "def answer(*a, **k):\n    importlib.reload(m)\n    return getattr(m, name)(*a, **k)"),
+}
+
+
+@pytest.fixture
+def reloads_undone(ex):
+    """A test that reloads a course module puts its old contents back (checks hold its functions)."""
+    modules = [guard.resolve(dotted)[0] for dotted in ex.finished]
+    saved = [dict(vars(module)) for module in modules]
+    yield
+    for module, contents in zip(modules, saved):
+        vars(module).clear()
+        vars(module).update(contents)
+
+
+def _refused(ex, answers):
+    feedback = ex(*answers)
+    assert feedback.status == "wrong" and f"the course's own finished version, {ex.finished[0]}" in feedback.message, feedback
+    assert guard.active() == ()
+
+
+@pytest.mark.parametrize("ex", PART_II, ids=lambda ex: f"nb{ex.notebook}-{ex.__name__}")
+def test_the_answer_may_not_ask_for_the_original(ex):
+    _skip_old_torch(ex)
+    _refused(ex, _answers(ex, ASK_FOR_THE_ORIGINAL))
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("ex", ONE_PER_NOTEBOOK, ids=lambda ex: f"nb{ex.notebook}-{ex.__name__}")
+def test_its_code_by_other_means_is_refused(ex, way, reloads_undone):
+    _skip_old_torch(ex)
+    _refused(ex, _answers(ex, WAYS[way]))
+
+
+def test_a_check_helper_called_by_the_answer_may_not_ask_for_it_either(tmp_path):
+    """guard.original answers a check (or course code a check runs), not the answer through one."""
+    checks = Path(course.checks.__file__).parent
+    space = {"guard": guard}
+    _frame("def helper(f):\n    return guard.original(f)\ndef judge(answer, f):\n    return answer(f)",
+           str(checks / "nb99.py"), space)
+    _frame("def answer(f):\n    return helper(f)", "<notebook cell>", space)
+    from course.parallel import context_parallel as cp
+
+    with guard.guarding(["course.parallel.context_parallel.merge"]):
+        assert space["judge"](space["helper"], cp.merge) is not cp.merge  # the check's helper, called by it
+        with pytest.raises(guard.FinishedVersionUsed):
+            space["judge"](space["answer"], cp.merge)
+
+
+def test_the_same_text_written_in_a_notebook_cell_is_the_students_own():
+    """Notebook 16's solution compiles to the very bytecode of course.parallel.parallel3d.mesh_groups:
+    typed in a cell it is a derivation, and passes; the same text run by exec (file <string>) is a copy."""
+    from course.checks import nb16
+
+    code = solutions()["16"]["mesh_groups"]
+    for filename, status in (("<notebook cell>", "correct"), ("/tmp/ipykernel_1/2.py", "correct"), ("<string>", "wrong")):
+        space = {"__name__": "__main__"}
+        exec(compile(code, filename, "exec"), space)
+        assert nb16.mesh_groups(space["mesh_groups"]).status == status, filename

@@ -18,9 +18,9 @@ from course.runtime.launcher import launch
 from course.classroom.notebooks import SOLUTIONS
 
 # Measured on torch 2.8: these fail there (the library's schedules and tracer changed since); the
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 

@@ -2,6 +2,7 @@
 checkpoints (notebook 11), on gloo/CPU."""
 
 import contextlib
+import copy
 import inspect
 import math
 
@@ -21,15 +22,22 @@ import course.observe.memory
 import course.parallel.zero
 from course import launch
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
-from course.parallel.fsdp import compute_in, fully_shard_by_hand, gather_parameter, reduce_scatter_gradients, shard_parameters
+from course.parallel.fsdp import (
+    compute_in,
+    fully_shard_by_hand,
+    gather_masters,
+    gather_parameter,
+    reduce_scatter_gradients,
+    shard_parameters,
+)
 from course.observe.memory import LiveBytes, bytes_per_rank, storage_bytes
 from course.classroom.notebooks import SOLUTIONS, definitions
 from course.parallel.zero import flat_padded, zero1_setup, zero1_step
 
 # Measured on torch 2.8: these fail there (FSDP2 differs there); the
-# course declares notebooks 11-16 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 
@@ -85,18 +93,24 @@ def test_storage_bytes_counts_each_buffer_once():
 # ------------------------------------------------------------------ ZeRO-1 by hand == DDP + Adam
 
 
-def _zero1_and_ddp(rank, world_size, steps=3):
-    ddp_model = DDP(_model())
-    ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.05)
-    model = _model()
-    shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=0.05)
+def _zero1_beside_ddp(rank, make, data, optimizer_class, steps=3, **options):
+    """``steps`` steps of ZeRO-1 and of DDP beside it, on this rank's data: (model, DDP's, shard, optimizer)."""
+    ddp_model = DDP(make())
+    ddp_optimizer = optimizer_class([p for p in ddp_model.parameters() if p.requires_grad], **options)
+    model = make()
+    shard, optimizer = zero1_setup(model, optimizer_class, **options)
     for step in range(steps):
-        x, y = _data(10 * step + rank)  # different data on every rank
+        x, y = data(10 * step + rank)  # different data on every rank
         for m in (ddp_model, model):
             m.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
         ddp_optimizer.step()
         zero1_step(model, shard, optimizer)
+    return model, ddp_model, shard, optimizer
+
+
+def _zero1_and_ddp(rank, world_size):
+    model, ddp_model, _, optimizer = _zero1_beside_ddp(rank, _model, _data, torch.optim.Adam, lr=0.05)
     flat = torch.nn.utils.parameters_to_vector
     return flat(model.parameters()).detach(), flat(ddp_model.parameters()).detach(), bytes_per_rank(model, optimizer)
 
@@ -111,6 +125,104 @@ def test_hand_written_zero1_equals_ddp_with_adam(world_size):
         assert torch.allclose(mine, ddp, atol=1e-6)
         assert (mine - start).abs().max() > 0.1  # and they really trained
         assert used == {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * math.ceil(P / world_size) + 4}
+
+
+def _frozen_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        model[0].bias.fill_(2.0)
+    model[0].bias.requires_grad_(False)  # frozen: 5 of the 53 values
+    return model
+
+
+def _small_data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _zero1_with_a_frozen_parameter(rank, world_size):
+    model, ddp, shard, _ = _zero1_beside_ddp(rank, _frozen_model, _small_data, torch.optim.AdamW, lr=0.1,
+                                             weight_decay=0.1)
+    flat = torch.nn.utils.parameters_to_vector
+    return shard.numel(), model[0].bias.detach().clone(), flat(model.parameters()).detach(), flat(ddp.parameters()).detach()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero1_leaves_frozen_parameters_out_of_the_shard(world_size):
+    """A frozen parameter has no gradient (the step crashed on it) and must not be handed to the optimizer
+    even with a zero gradient: AdamW's weight decay would move it (2.0 -> 1.98 in one step, below)."""
+    for shard_numel, frozen, mine, ddp in launch(_zero1_with_a_frozen_parameter, world_size, show=None, timeout=120):
+        assert shard_numel == math.ceil(48 / world_size)  # the 48 trainable values only
+        assert torch.equal(frozen, torch.full((5,), 2.0))  # untouched by weight decay
+        assert torch.allclose(mine, ddp, atol=1e-6)  # and the rest trained as DDP + AdamW
+    zero_grad = nn.Parameter(torch.full((5,), 2.0))
+    zero_grad.grad = torch.zeros(5)
+    torch.optim.AdamW([zero_grad], lr=0.1, weight_decay=0.1).step()
+    assert torch.allclose(zero_grad.detach(), torch.full((5,), 1.98))  # why "give it a zero gradient" is wrong
+
+
+def _drop_in_model(repeat=True):
+    """A frozen bias, a weight tied between two layers, two param groups with options of their own;
+    with ``repeat`` the tied weight is listed in both (ZeroRedundancyOptimizer refuses that)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Linear(5, 3))
+    model[4].weight = model[2].weight
+    model[0].bias.requires_grad_(False)
+    first = list(model[0].parameters()) + list(model[2].parameters())
+    rest = [model[4].weight] * repeat + [model[4].bias] + list(model[5].parameters())  # counted once
+    return model, [{"params": first, "weight_decay": 0.1}, {"params": rest, "lr": 0.05}]
+
+
+def _drop_in_vs_zero_redundancy(rank, world_size, steps=3):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    reference, reference_groups = _drop_in_model(repeat=False)
+    ddp = DDP(reference)
+    theirs = ZeroRedundancyOptimizer(reference_groups, optimizer_class=torch.optim.AdamW, lr=0.1)
+    model, groups = _drop_in_model()
+    ours = course.parallel.zero.ShardedOptimizer(groups, torch.optim.AdamW, lr=0.1)
+    differences, batches = [], []
+    for step in range(steps + 1):
+        batches.append(_small_data(10 * step + rank))
+    for step, (x, y) in enumerate(batches[:steps]):
+        theirs.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        theirs.step()
+        ours.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        ours.step()
+        differences.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.parameters())))
+    # state_dict round trip: a fresh model and optimizer, loaded, take the next step exactly as the first
+    state = copy.deepcopy(ours.state_dict())  # as if saved: loading must not share tensors with `ours`
+    twin, twin_groups = _drop_in_model()
+    twin.load_state_dict(model.state_dict())
+    restored = course.parallel.zero.ShardedOptimizer(twin_groups, torch.optim.AdamW, lr=0.1)
+    restored.load_state_dict(state)
+    for m, o in ((model, ours), (twin, restored)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(batches[-1][0]), batches[-1][1]).backward()
+        o.step()
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    lrs = [g["lr"] for g in ours.param_groups]
+    return differences, model[0].bias.detach().clone(), reference[0].bias.detach().clone(), same, lrs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_optimizer_steps_like_zero_redundancy_optimizer(world_size):
+    for differences, frozen, their_frozen, same, lrs in launch(_drop_in_vs_zero_redundancy, world_size, show=None,
+                                                                timeout=120):
+        assert all(d < 1e-6 for d in differences), differences  # step for step, param groups' options included
+        assert torch.equal(frozen, their_frozen)  # the frozen bias untouched by weight decay, as theirs
+        assert same  # state_dict() -> load_state_dict() continues bit for bit
+        assert lrs == [0.1, 0.05]
+
+
+def test_sharded_optimizer_rejects_a_state_of_other_groups():
+    optimizer = object.__new__(course.parallel.zero.ShardedOptimizer)
+    optimizer.parts = [None]
+    with pytest.raises(ValueError, match="a state of 2 param groups for an optimizer of 1"):
+        optimizer.load_state_dict({"groups": [{}, {}]})
 
 
 def test_flat_padded_pads_to_a_multiple_of_the_world_size():
@@ -345,6 +457,43 @@ def test_zero3_by_hand_computes_in_bfloat16_with_float32_masters():
     for r in launch(_by_hand_vs_ddp, 2, "blocks", 3, torch.bfloat16, show=None, timeout=120):
         assert r["dtypes"] == {torch.bfloat16} and r["master_dtypes"] == {torch.float32}
         assert 0 < r["difference"] < 0.1  # bfloat16 compute: close to float32 DDP, not equal
+
+
+def _masters(rank, world_size, kind):
+    model, units = _by_hand_models(kind)
+    shards = fully_shard_by_hand(model, units)
+    compute_in(model, shards, torch.bfloat16)
+    optimizer = torch.optim.Adam(shards.values(), lr=0.05)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        optimizer.step()
+    names = dict(model.named_parameters())
+    mine = {name: shards[p].detach().clone() for name, p in names.items() if p in shards}
+    return gather_masters(model, shards), mine, {name: p.detach().clone() for name, p in names.items() if p not in shards}
+
+
+@needs_part_ii_torch
+@pytest.mark.parametrize("kind", ["frozen", "tied"])
+def test_gather_masters_gives_every_rank_the_whole_float32_masters(kind):
+    world_size = 3
+    results = launch(_masters, world_size, kind, show=None, timeout=120)
+    model, _ = _by_hand_models(kind)
+    assert list(results[0][0]) == [name for name, _ in model.named_parameters()]  # a tied weight once
+    for rank, (masters, mine, frozen) in enumerate(results):
+        for name, p in model.named_parameters():
+            master = masters[name]
+            assert master.shape == p.shape and torch.equal(master, results[0][0][name])  # whole, alike on all ranks
+            if name in mine:  # float32, and its slice r is rank r's shard
+                assert master.dtype == torch.float32
+                padded = nn.functional.pad(master.reshape(-1), (0, -master.numel() % world_size))
+                assert torch.equal(padded.chunk(world_size)[rank], mine[name])
+                assert not torch.equal(master, p.detach())  # trained, not the initial values
+            else:
+                assert torch.equal(master, frozen[name])  # frozen: as the model holds it (bfloat16 after compute_in)
+    assert (kind == "frozen") == bool(results[0][2])
 
 
 def _peak_of_a_gather(rank, world_size):

@@ -34,10 +34,28 @@ class _NotMeasured:
     sent = None  # where course.observe.wire cannot read the sockets (not Linux)
 
 
-def _on_wire():
-    """course.observe.wire.measure() where it works; elsewhere a block whose ``sent`` is None."""
+# Where course.observe.wire cannot measure (macOS, Windows), the checks judge by another measure: they
+# watch for a process group of the answer's own, through which a collective would go unseen by the traced
+# default group (what the byte comparison catches on Linux); the verdict says the bytes were not measured.
+NEW_GROUPS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group")
+NOT_MEASURED = ("\n(bytes on the wire not measured: course.observe.wire needs Linux; "
+                "new process groups watched instead)")
+
+
+def _on_wire(measurable=True):
+    """course.observe.wire.measure() where it works; elsewhere a block whose ``sent`` is None.
+    ``measurable`` is decided by the check, in the notebook's process (wire.available())."""
     dist.barrier()  # the other ranks' earlier messages are not counted in the block
-    return wire.measure() if wire.available() else contextlib.nullcontext(_NotMeasured())
+    return wire.measure() if measurable else contextlib.nullcontext(_NotMeasured())
+
+
+def _own_group(called):
+    """A wrong() if the answer made a process group of its own (seen by calls_into), else None."""
+    if called & set(NEW_GROUPS):
+        return wrong("your answer created a process group of its own (dist.new_group): a collective on it is hidden "
+                     "from the default group. Use the default group: one reduce_scatter_tensor and one "
+                     "all_gather_into_tensor.")
+    return None
 
 
 def _more_on_wire(answer, reference):
@@ -75,7 +93,7 @@ def _model():
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))  # 53 values: uneven on 2 ranks
 
 
-def _zero1_run(rank, world_size, step_fn, steps=3):
+def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
     ddp_model = DDP(_model())
     ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.1)
     model = _model()
@@ -84,7 +102,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     at_step = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
         None if shard.grad is None else shard.grad.detach().clone()))
-    flat_grads, shard_grads = [], []
+    flat_grads, shard_grads, new_groups = [], [], set()
     for step in range(steps):
         g = torch.Generator().manual_seed(10 * step + rank)  # different data on every rank
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
@@ -95,8 +113,10 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         flat_grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         tracing.clear()
         at_step.clear()
-        with _on_wire() if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's bytes
-            step_fn(model, shard, optimizer)
+        with _on_wire(measurable) if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's
+            with calls_into(files=("distributed_c10d.py",)) as called:
+                step_fn(model, shard, optimizer)
+        new_groups |= called & set(NEW_GROUPS)
         shard_grads.append(at_step[-1] if at_step else "no step")
     ops = sorted({e.op for e in tracing.collectives()})
     scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
@@ -107,7 +127,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
     reference_shard, reference_optimizer = zero1_setup(reference, torch.optim.Adam, lr=0.1)
     for p, q in zip(reference.parameters(), model.parameters()):
         p.grad = torch.ones_like(q)
-    with _on_wire() as reference_wire:
+    with _on_wire(measurable) as reference_wire:
         guard.original(reference_zero1_step)(reference, reference_shard, reference_optimizer)
     flat = torch.nn.utils.parameters_to_vector
     return {
@@ -120,6 +140,7 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
         "flat_grads": flat_grads,
         "shard_grads": shard_grads,
         "ops": ops,
+        "new_groups": new_groups,
         "state_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()),
     }
 
@@ -133,15 +154,16 @@ def _zero1_run(rank, world_size, step_fn, steps=3):
 def zero1_step(fn, world_sizes=(2, 3)):
     """Exercise 1: one ZeRO-1 update (reduce-scatter, step on my slice, all-gather), on 2 ranks
     and on 3 (where the 53 values need padding and no rank has a single partner)."""
+    measurable = wire.available()
     for world_size in world_sizes:
-        feedback = _judge_zero1(fn, world_size)
+        feedback = _judge_zero1(fn, world_size, measurable)
         if feedback.status != "correct":
             return feedback
     return feedback
 
 
-def _judge_zero1(fn, world_size):
-    results = launch(_zero1_run, world_size, fn, show=None, timeout=120, backend="traced")
+def _judge_zero1(fn, world_size, measurable):
+    results = launch(_zero1_run, world_size, fn, measurable, show=None, timeout=120, backend="traced")
     first = results[0]
     n = first["weights"].numel()
     # what each rank's slice of the averaged flat gradient should be (the last step's)
@@ -172,6 +194,9 @@ def _judge_zero1(fn, world_size):
         return wrong("your ranks never reduce-scattered the whole gradient on the default process group (the traced "
                      "group saw no reduce_scatter_tensor of it): call dist.reduce_scatter_tensor, on the default group "
                      "(a group of dist.new_group hides its collectives from the default group, not from this check).")
+    own_group = None if measurable else _own_group(set().union(*(r["new_groups"] for r in results)))
+    if own_group is not None:
+        return own_group
     extra = _more_on_wire([r["wire"] for r in results], [r["reference_wire"] for r in results])
     if extra:
         return wrong(f"your step put {extra:,} bytes more on the wire than a reduce-scatter and an all-gather (measured "
@@ -184,8 +209,9 @@ def _judge_zero1(fn, world_size):
         return wrong("the weights differ from DDP + Adam: check how you copy the gathered vector back "
                      "(parameters in model.parameters() order, each p.numel() values, view_as(p)), "
                      "and that you gather shard itself (the updated weights), not its gradient.")
-    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP, with Adam's state for "
-                   f"{first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}.")
+    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP,\n"
+                   f"with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}."
+                   + ("" if measurable else NOT_MEASURED))
 
 
 # ------------------------------------------------------------------ Exercise 2 (the FSDP unit)
@@ -214,7 +240,7 @@ def _needed_whole(t):
     return t
 
 
-def _fsdp_train(rank, model, units, fn, steps, ddp=None):
+def _fsdp_train(rank, model, units, fn, steps, ddp=None, measurable=True):
     """Shard ``model`` with ``fn`` and train it for ``steps`` steps, recording which of its trainable
     parameters are whole at each moment that matters, and the bytes this rank put on the wire."""
     from course.parallel.fsdp import fully_shard_by_hand as course_version
@@ -223,9 +249,10 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
         for p in model.parameters():
             p.add_(rank)  # ranks start different: the answer must start from rank 0's parameters
     tracing.clear()
-    with calls_into(codes={course_version.__code__}) as called:
+    with calls_into(codes={course_version.__code__}, files=("distributed_c10d.py",)) as called:
         shards = fn(model, units)
-    if called and ddp is not None:  # the reference run (no DDP beside it) is the course's version
+    new_groups = called & set(NEW_GROUPS)
+    if "fully_shard_by_hand" in called and ddp is not None:  # the reference run (no DDP beside it) is the course's version
         return {"error": "this is the course's own course.parallel.fsdp.fully_shard_by_hand (imported or called): build it "
                 "from shard_parameters, gather_parameter, free_parameter and reduce_scatter_gradients."}
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -236,17 +263,27 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
     trainable = [p for p in model.parameters() if p.requires_grad]
     in_units = {p for u in units for p in u.parameters()}
     rest = {i for i, p in enumerate(trainable) if p not in in_units}
-    seen = {"forward": [], "backward": [], "between": [], "rest": []}
-    for u in units:  # registered after the answer's hooks, so they run after them
+    seen = {"forward": [], "backward": [], "between": [], "rest": [], "gradients": []}
+    for k, u in enumerate(units):  # registered after the answer's hooks, so they run after them
         expected = sorted(rest | {i for i, p in enumerate(trainable) if any(p is q for q in u.parameters())})
+        # when backward reaches unit k, the gradients of the units after it (and of no unit before) are complete
+        earlier = {p for v in units[: k + 1] for p in v.parameters()}
+        done = sorted({i for i, p in enumerate(trainable) for v in units[k + 1 :] if p in set(v.parameters())
+                       and p not in earlier})
 
         def look(module, args, expected=expected):
             seen["forward"].append((_whole(trainable), expected))
 
-        def look_in_backward(module, args, output, expected=expected):
+        def look_at_gradients(done):
+            whole = [i for i, p in enumerate(trainable) if p.grad is not None]
+            reduced = [i for i in done if shards.get(trainable[i]) is not None and shards[trainable[i]].grad is not None]
+            seen["gradients"].append((whole, done, reduced))
+
+        def look_in_backward(module, args, output, expected=expected, done=done):
             # a hook on the unit's output runs as backward reaches the unit, after the answer's own
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: seen["backward"].append((_whole(trainable), expected)))
+                output.register_hook(lambda grad: look_at_gradients(done))
 
         u.register_forward_pre_hook(look)
         u.register_forward_hook(look_in_backward)
@@ -260,7 +297,7 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
             nn.functional.mse_loss(ddp(data[-1][0]), data[-1][1]).backward()
             ddp.optimizer.step()
     with_grad = sum(p.numel() * p.element_size() for p in trainable)
-    with _on_wire() as on_wire:
+    with _on_wire(measurable) as on_wire, calls_into(files=("distributed_c10d.py",)) as called:
         for x, y in data:
             tracing.clear()
             optimizer.zero_grad()
@@ -273,10 +310,10 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None):
             ops = {e.op for e in tracing.collectives()}
             scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
     return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": on_wire.sent,
-            "scatters_every_gradient": scattered >= with_grad}
+            "scatters_every_gradient": scattered >= with_grad, "new_groups": new_groups | (called & set(NEW_GROUPS))}
 
 
-def _fsdp_run(rank, world_size, fn, steps=2):
+def _fsdp_run(rank, world_size, fn, measurable=True, steps=2):
     from course.parallel.fsdp import fully_shard_by_hand as course_version
     from course.parallel.fsdp import gather_parameter
 
@@ -285,14 +322,15 @@ def _fsdp_run(rank, world_size, fn, steps=2):
             zip(_unit_models(), _unit_models(), _unit_models())):
         ddp = DDP(reference)
         ddp.optimizer = torch.optim.Adam([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
-        run = _fsdp_train(rank, model, units, fn, steps, ddp)
+        run = _fsdp_train(rank, model, units, fn, steps, ddp, measurable)
         if "error" in run:
             return [run]
         for p, shard in run.pop("shards").items():
             gather_parameter(p, shard)
         run["difference"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
         if index == 0:  # the course's version on the same model and data: the bytes a right answer sends
-            run["reference_wire"] = _fsdp_train(rank, model2, units2, guard.original(course_version), steps)["wire"]
+            reference = guard.original(course_version)
+            run["reference_wire"] = _fsdp_train(rank, model2, units2, reference, steps, None, measurable)["wire"]
         out.append({**run, "model": index})
     return out
 
@@ -307,8 +345,9 @@ def _fsdp_run(rank, world_size, fn, steps=2):
 )
 def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     """Exercise 2: ZeRO-3 by hand, against DDP + Adam on 2 and 3 ranks, two models."""
+    measurable = wire.available()
     for world_size in world_sizes:
-        results = launch(_fsdp_run, world_size, fn, show=None, timeout=120, backend="traced")
+        results = launch(_fsdp_run, world_size, fn, measurable, show=None, timeout=120, backend="traced")
         for r in (r for rank in results for r in rank):
             if "error" in r:
                 return wrong(r["error"])
@@ -332,12 +371,24 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
                     return wrong(f"{what}: when backward reached a unit, parameters of other units were whole too: "
                                  "gather a unit's parameters again just before its own backward (a hook on the "
                                  "unit's output), not all at once, and free each one once its gradient is reduce-scattered.")
+            for whole, done, reduced in r["gradients"]:
+                if whole:
+                    return wrong(f"{what}: when backward reached a unit, whole gradients of units it had passed were "
+                                 "still held: ZeRO-2 reduce-scatters each gradient during backward, as soon as it is "
+                                 "summed (a post-accumulate-grad hook), and drops the whole one (p.grad = None).")
+                if reduced != done:
+                    return wrong(f"{what}: when backward reached a unit, the gradients of the units it had passed were "
+                                 "not reduce-scattered into their shards yet: reduce-scatter each one as soon as "
+                                 "backward has summed it, not all at the end of backward.")
             if "all_reduce" in r["ops"]:
                 return wrong("you used all_reduce for the gradients: reduce-scatter them, each rank keeps its slice.")
             if not r["scatters_every_gradient"]:
                 return wrong(f"{what}: the traced default group saw no reduce-scatter of every trainable gradient in a "
                              "step: reduce-scatter each gradient (reduce_scatter_gradients) on the default group, not "
                              "gather whole gradients, nor reduce them on a group of dist.new_group.")
+            own_group = None if measurable else _own_group(r["new_groups"])
+            if own_group is not None:
+                return own_group
             extra = _more_on_wire([r["wire"]], [r["reference_wire"]]) if "reference_wire" in r else 0
             if extra:
                 return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
@@ -347,10 +398,11 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             if r["difference"] > 1e-6:
                 return wrong(f"{what}: the weights differ from DDP + Adam after 2 steps (by {r['difference']:.1e}): "
                              "start from shard_parameters(model) and let the optimizer step on the shards.")
-    return correct("2 and 3 ranks, a frozen parameter, uneven shards and a tied weight: each unit whole only "
-                   "around its forward and from the start of its backward (no other unit's parameters whole then), "
-                   "every gradient reduce-scattered, no more bytes on the wire than the course's version, "
-                   "and the same weights as DDP + Adam.")
+    return correct("2 and 3 ranks, a frozen parameter, uneven shards\n"
+                   "and a tied weight: each unit whole only around its forward and from the start of its backward\n"
+                   "(no other unit's parameters whole then), every gradient reduce-scattered\n"
+                   "during backward, no more bytes on the wire than the course's version,\n"
+                   "and the same weights as DDP + Adam." + ("" if measurable else NOT_MEASURED))
 
 
 # ------------------------------------------------------------------ Exercise 3 (the loss scaler)
@@ -362,7 +414,7 @@ def _scaler_model():
     return model, [model[0], model[2]]
 
 
-def _scaler_run(rank, world_size, fn, steps=6, scale=2.0**10):
+def _scaler_run(rank, world_size, fn, steps=7, scale=2.0**10):
     """Train with ``fn`` as the loss-scaled step. Overflows are injected into gradients (what float16
     does when the scale is too large) at elements that another rank owns: an inf on one rank, a NaN
     on one rank, and +inf and -inf at the same element on two ranks (their sum is a NaN)."""
@@ -374,22 +426,30 @@ def _scaler_run(rank, world_size, fn, steps=6, scale=2.0**10):
     at_step = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
         [s.grad.clone() for s in shards.values()]))
-    weight = model[0].weight  # 96 values: rank r owns elements r * ceil(96 / N) ...
-    last = (world_size - 1) * -(-weight.numel() // world_size)  # the first element the last rank owns
+    first, weight, bias = model[0].weight, model[2].weight, model[2].bias  # the first, a middle and the last shard
+
+    def owned_by(p, r):  # the first flat element of p that rank r owns: rank r owns r * ceil(numel / N) ...
+        return r * -(-p.numel() // world_size)
+
     inf, nan = float("inf"), float("nan")
-    # step: [(the rank whose gradient overflows, a flat element owned by another rank, the value)]
-    overflow = {0: [(0, last, inf)], 2: [(world_size - 1, 0, inf)], 3: [(0, last, nan)],
-                5: [(0, last, inf), (1, last, -inf)]}
+    # step: [(the parameter, the rank whose gradient overflows, a flat element another rank owns, the value)];
+    # in the first shard, and in others (an answer that tests only the first shard must fail)
+    overflow = {0: [(first, 0, owned_by(first, world_size - 1), inf)], 1: [(weight, world_size - 1, 0, inf)],
+                2: [(first, world_size - 1, 0, inf)], 3: [(bias, 0, owned_by(bias, 1), nan)],
+                5: [(weight, 0, owned_by(weight, world_size - 1), inf), (weight, 1, owned_by(weight, world_size - 1), -inf)]}
     step_now = [0]
 
-    def inject(grad):
-        for who, element, value in overflow.get(step_now[0], []):
-            if who == rank:
-                grad = grad.clone()
-                grad.view(-1)[element] = value
-        return grad
+    def injector(param):
+        def inject(grad):
+            for p, who, element, value in overflow.get(step_now[0], []):
+                if p is param and who == rank:
+                    grad = grad.clone()
+                    grad.view(-1)[element] = value
+            return grad
+        return inject
 
-    weight.register_hook(inject)
+    for p in (first, weight, bias):
+        p.register_hook(injector(p))
     verdicts = []
     for step in range(steps):
         step_now[0] = step
@@ -454,8 +514,9 @@ def scaled_step(fn, world_sizes=(2, 3)):
             if not torch.allclose(a["masters"], b["masters"], atol=1e-6):
                 return wrong("the weights differ from a correct scaler's: when you skip a step, zero the gradients "
                              "(optimizer.zero_grad()), or they are added into the next step's.")
-    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN, each in another rank's slice: "
-                   "every rank skipped the same steps, with one scale.")
+    return correct("2 and 3 ranks, an inf, a NaN, and +inf and -inf summing to NaN,\n"
+                   "in the first and in other shards, each in another rank's slice: every rank skipped\n"
+                   "the same steps, with one scale.")
 
 
 # ------------------------------------------------------------------ Exercise 4
@@ -524,6 +585,8 @@ def _plausible_mistakes(world_size=4):
         (1, "gradients", 4 * math.ceil(P / world_size), "ZeRO-1 keeps the full gradients (sharding them is ZeRO-2)."),
         (1, "gradients", 4 * P // world_size, "ZeRO-1 keeps the full gradients (sharding them is ZeRO-2)."),
         (1, "optimizer", 8 * P // world_size + 4, "the flat vector is padded to a multiple of the world size before it is cut."),
+        (1, "optimizer", 8 * (P // world_size) + 4, "the flat vector is padded to a multiple of the world size before it "
+         "is cut: 3,371 values on 4 ranks are 843 per rank, not 842."),
         (0, "parameters", 4 * P // world_size, "DDP replicates everything: each rank holds all of it."),
         (0, "optimizer", (8 * P + 4 * T) // world_size, "DDP replicates everything: each rank holds all of it."),
         (3, "parameters", 4 * P // world_size, "FSDP2 cuts each tensor by rows and gives every rank as many rows as the "
@@ -554,7 +617,7 @@ def bytes_per_rank(stage0, stage1, stage3):
     truth = measured_bytes()
     off = [(stage, kind) for stage in STAGES for kind in KINDS if predicted[stage][kind] != truth[stage][kind]]
     if not off:
-        return correct("rank 0's bytes for DDP, ZeRO-1 and FSDP2 on 4 ranks, all nine as measured.")
+        return correct("rank 0's bytes for DDP, ZeRO-1 and FSDP2 on 4 ranks,\nall nine as measured.")
     for stage, kind, value, hint in _plausible_mistakes():
         if (stage, kind) in off and predicted[stage][kind] == value:
             return wrong(f"stage {stage}, {kind}: {hint}")
@@ -599,10 +662,13 @@ def checkpoint_sequential(forward_calls, saved_kib):
     """Exercise 5: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
     calls, kib = checkpoint_sequential_counts()
     try:
+        whole = all(not isinstance(c, bool) and float(c) == int(c) for c in forward_calls)
         forward_calls = [int(c) for c in forward_calls]
         saved_kib = float(saved_kib)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return wrong("forward_calls: a list of 4 whole numbers, saved_kib: a number.")
+    if not whole:
+        return wrong("forward_calls: a block's forward runs a whole number of times; give 4 whole numbers.")
     if len(forward_calls) != 4:
         return wrong("forward_calls has one number per block: 4 of them.")
     if forward_calls != calls:
@@ -623,4 +689,4 @@ def checkpoint_sequential(forward_calls, saved_kib):
             return wrong("the last segment has two blocks, each saving 144 KiB (its input, the GELU's input and output).")
         return wrong("count per block: checkpointed, its input (32 x 128 floats); normal, also the GELU's input and "
                      "output (32 x 512 floats each). Tensors shared between blocks count once.")
-    return correct(f"blocks 0 and 1 ran twice, 2 and 3 once; {kib:.0f} KiB saved instead of {4 * 144} KiB.")
+    return correct(f"blocks 0 and 1 ran twice, 2 and 3 once;\n{kib:.0f} KiB saved instead of {4 * 144} KiB.")

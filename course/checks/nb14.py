@@ -2,6 +2,7 @@
 
 import contextlib
 import random
+import tempfile
 import weakref
 
 import torch
@@ -85,44 +86,92 @@ def merge(fn):
                     return wrong("the plain average weighs both chunks equally; weigh each by its share of the "
                                  "softmax's denominator, e^(lse_i - lse).")
                 return wrong(f"with {name}{order} the merged output differs from attention over all keys.")
-    return correct("small and large scores, a causal mask, queries that see none of a chunk, 3-D and 4-D "
-                   "tensors, both orders: the merge equals attention over all keys.")
+    feedback = _fold_backwards(fn, seed)
+    if feedback is not None:
+        return feedback
+    return correct("equals attention over all keys, with large scores and empty partials.")
+
+
+def _fold_backwards(fn, seed):
+    """A causal fold of three chunks in the order 2, 1, 0: queries 0-2 see no key of chunks 2 and 1, so
+    the first merge gets two partials with lse -inf. Merging is associative only if that gives (0, -inf)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, n, DIM, generator=g) for n in (5, 9, 9))
+    q_pos, k_pos = torch.arange(5), torch.arange(9)
+    whole_out, whole_lse = cp.attend(q, k, v, q_pos, k_pos, True)
+    chunks = [slice(6, 9), slice(3, 6), slice(0, 3)]
+    try:
+        out, lse = cp.attend(q, k[:, chunks[0]], v[:, chunks[0]], q_pos, k_pos[chunks[0]], True)
+        for c in chunks[1:]:
+            result = _as_pair(fn(out.clone(), lse.clone(), *cp.attend(q, k[:, c], v[:, c], q_pos, k_pos[c], True)))
+            if result is None:
+                return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+            out, lse = result
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        return wrong(f"folding causal chunks from the last one back, your merge raised {type(e).__name__}: {e}")
+    if not (torch.isfinite(out).all() and torch.allclose(out, whole_out, rtol=1e-5, atol=1e-5)
+            and torch.allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)):
+        return wrong("folding causal chunks from the last one back (keys 6-8, then 3-5, then 0-2), queries 0-2 "
+                     "first meet two partials that both saw no key (lse -inf): -inf - (-inf) is nan, and the nan "
+                     "stays. Merging two empty partials must give out 0 and lse -inf.")
+    return None
 
 
 # ------------------------------------------------------------------ Exercise 2: ring attention's forward
 
-# (ranks, tokens, causal, layout): uneven chunks (10 and 13 tokens), 2, 3 and 4 ranks, both layouts
+# (ranks, tokens, causal, layout, scale of q): uneven chunks (10 and 13 tokens), 2, 3 and 4 ranks, both
+# layouts; q x 60 makes scores of hundreds, beyond exp's float32 range, so a merge must rescale by the max
 RING_CASES = [
-    (2, 10, False, "contiguous"),
-    (3, 13, True, "contiguous"),
-    (4, 10, True, "contiguous"),
-    (4, 16, True, "zigzag"),
-    (4, 13, False, "contiguous"),
+    (2, 10, False, "contiguous", 60.0),
+    (3, 13, True, "contiguous", 1.0),
+    (4, 10, True, "contiguous", 1.0),
+    (4, 16, True, "zigzag", 1.0),
+    (4, 13, False, "contiguous", 1.0),
 ]
 LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
                "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
 BLOCKING = ("send", "recv")  # batch_isend_irecv is not blocking: it calls isend/irecv, which the check logs
+MOST_KV_HELD = 3  # chunks: the one computed on, the one arriving, and attend's copy of its visible K, V
 
 
 class _Watch(TorchDispatchMode):
-    """Logs the ops a rank runs: matrix products (the attention's work), how many chunks of K/V the
-    receive buffers alive during a product held at most, and the largest number of tokens any
-    (..., tokens, DIM) tensor held."""
+    """Logs the ops a rank runs. A matrix product with the keys or values among its operands is the
+    attention's work ("compute"; a product of other tensors is not). At each one it measures how many
+    chunks' worth of K/V values the tensors created so far and still alive hold (whatever made them:
+    a receive buffer, a stack, a clone), and it keeps the largest number of tokens any (..., tokens, DIM)
+    tensor held. K/V values are recognised by value: the inputs are random floats, and a copy keeps them."""
 
-    def __init__(self, log, held):
+    def __init__(self, log, kv_values, chunk_values, receiving):
         super().__init__()
-        self.log, self.most_tokens, self.held, self.most_held = log, 0, held, 0
+        self.log, self.kv_values, self.chunk_values = log, kv_values, chunk_values
+        self.created, self.receiving, self.most_tokens, self.most_held = [], receiving, 0, 0
+
+    def _kv_count(self, tensor):
+        storage = tensor.untyped_storage()
+        if tensor.dtype != torch.float32 or storage.nbytes() % 4:
+            return storage.data_ptr(), 0
+        values = torch.empty(0).set_(storage).tolist()
+        return storage.data_ptr(), sum(x in self.kv_values for x in values)
+
+    def _held(self):
+        alive = [t for ref in self.created + self.receiving if (t := ref()) is not None]
+        counts = dict(self._kv_count(t) for t in alive)
+        return sum(counts.values()) / self.chunk_values
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
-        if "mm" in name or "scaled_dot_product" in name:
+        if ("mm" in name or "scaled_dot_product" in name) and any(
+                isinstance(a, torch.Tensor) and self._kv_count(a)[1] >= a.numel() // 2 > 0 for a in args):
             self.log.append(("compute",))
-            self.most_held = max(self.most_held, self.held())
+            self.most_held = max(self.most_held, self._held())
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == DIM:
-                self.most_tokens = max(self.most_tokens, t.shape[-2])
+            if isinstance(t, torch.Tensor):
+                self.created.append(weakref.ref(t))
+                if t.dim() >= 2 and t.shape[-1] == DIM:
+                    self.most_tokens = max(self.most_tokens, t.shape[-2])
+        self.created = [ref for ref in self.created if ref() is not None]
         return out
 
 
@@ -145,9 +194,10 @@ class _Request:
         return getattr(self.request, name)
 
 
-def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
+def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name, scale, transfers):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, seq_len, DIM, generator=g) for _ in range(3))
+    q = q * scale
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     expected_lse = (q @ k.transpose(-2, -1) * DIM**-0.5).masked_fill(
         causal & torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
@@ -156,7 +206,7 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
 
     log, peers, used = [], set(), []
     receiving = []  # a weak reference to every irecv's buffer
-    kv_bytes = 2 * q[..., :1, :].nbytes * max(len(p) for p in layout)  # one rank's K and V at most
+    record = open(f"{transfers}/{rank}", "a", buffering=1)  # each isend/irecv's shape, read if a rank dies
 
     def watched(name, original):
         def call(tensor, *args, **kwargs):  # also as batch_isend_irecv calls it: peer as group_dst/group_src
@@ -164,8 +214,9 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
                                               if kwargs.get(key) is not None), None)
             peers.add((name, peer))
             key = len(log)
-            if name == "irecv":  # the earlier receive buffers still alive now, besides this one
+            if name == "irecv":
                 receiving.append(weakref.ref(tensor))
+            record.write(f"{name} {peer} {'x'.join(map(str, tensor.shape))} {tensor.numel()}\n")
             log.append((name, key))
             return _Request(original(tensor, *args, **kwargs), log, key)
         return call
@@ -178,11 +229,9 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
 
     patches = [("isend", watched("isend", dist.isend)), ("irecv", watched("irecv", dist.irecv))]
     patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
-    def held():  # chunks' worth of K/V in the receive buffers still alive
-        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in receiving if (t := r()) is not None}
-        return sum(alive.values()) / kv_bytes
-
-    watch = _Watch(log, held)
+    kv_values = set(torch.cat([k.flatten(), v.flatten()]).tolist())
+    chunk_values = 2 * k[..., :1, :].numel() * max(len(p) for p in layout)  # one rank's K and V at most
+    watch = _Watch(log, kv_values, chunk_values, receiving)
     local = [t[..., mine, :].clone() for t in (q, k, v)]
     with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
         for name, replacement in patches:  # torch.distributed's names, the answer's, and distributed_c10d's
@@ -192,11 +241,13 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
         with watch:
             result = forward(*local, layout, causal)
     result = _as_pair(result)
-    report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log, "most_held": watch.most_held,
+    report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log,
+              "most_held": watch.most_held if scale == 1 else 0,  # with q x 60 an output row can equal a V row
               "largest_chunk": max(len(p) for p in layout)}
     if result is None:
         return {**report, "bad_result": True}
     out, lse = result
+    report["finite"] = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
     report["ok_out"] = out.shape == expected[..., mine, :].shape and torch.allclose(out, expected[..., mine, :], atol=1e-5)
     report["ok_lse"] = lse.shape == expected_lse[..., mine].shape and torch.allclose(lse, expected_lse[..., mine], atol=1e-5)
     report["uncausal"] = causal and out.shape == expected[..., mine, :].shape and torch.allclose(
@@ -204,9 +255,32 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name):
     return report
 
 
+def _mismatched_transfer(transfers, world_size):
+    """The first receive whose buffer differs in size from what its sender sent (each rank's k-th isend
+    to a peer meets that peer's k-th irecv from it), as a sentence; None if none differs."""
+    calls = {}
+    for rank in range(world_size):
+        with contextlib.suppress(FileNotFoundError), open(f"{transfers}/{rank}") as f:
+            calls[rank] = [line.split() for line in f]
+    for rank, lines in calls.items():
+        received = [line for line in lines if line[0] == "irecv"]
+        for peer in {line[1] for line in received}:
+            mine = [line for line in received if line[1] == peer]
+            sent = [line for line in calls.get(int(peer), []) if line[0] == "isend" and line[1] == str(rank)]
+            for i, (got, theirs) in enumerate(zip(mine, sent)):
+                if got[3] != theirs[3]:
+                    return (f"rank {rank}'s receive buffer number {i + 1} from rank {peer} has shape ({got[2]}), "
+                            f"{got[3]} numbers, but rank {peer} sent a tensor of shape ({theirs[2]}), {theirs[3]} "
+                            "numbers: a receive buffer must be exactly as big as what arrives in it (the chunk "
+                            "arriving while you compute on rank src's is rank src - 1's). If the shape is the "
+                            "one you meant, the sender is not: compute the neighbours from the rank and the world "
+                            "size (the check runs 2, 3 and 4 ranks).")
+    return None
+
+
 def _overlapped(log):
-    """Every receive was in flight while a matrix product ran: between posting each irecv and
-    waiting for it, the rank computed (attention on the chunk it holds). Only meaningful without
+    """Every receive was in flight while attention ran: between posting each irecv and waiting for
+    it, the rank ran a matrix product on keys or values (the chunk it holds). Only meaningful without
     a causal mask: with one, a chunk that no query of this rank sees costs no product at all."""
     posted, computed = set(), set()
     for event in log:
@@ -219,8 +293,10 @@ def _overlapped(log):
     return True
 
 
-def _judge_ring(results, world_size, seq_len, causal, layout_name):
+def _judge_ring(results, world_size, seq_len, causal, layout_name, scale):
     case = f"{world_size} ranks, {seq_len} tokens, causal={causal}, {layout_name} layout"
+    if scale != 1:
+        case += f", q x {scale:g}"
     for rank, r in enumerate(results):
         if any(name in BLOCKING for name in r.get("used", [])):
             return wrong(f"rank {rank} called dist.{r['used'][0]}: use start_pass (dist.isend / dist.irecv), which "
@@ -243,10 +319,12 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
             return wrong(f"with {case}, rank {rank} talked to rank {strangers[0]}, which is not its neighbour: "
                          "in a ring each rank receives from one neighbour and sends to the other.")
         held = r["most_held"]
-        if held > 2:
-            return wrong(f"with {case}, rank {rank}'s receive buffers still alive held {held:.1f} chunks' K and V "
-                         "at once: a ring rank keeps the chunk it computes on and the one arriving, no more. "
-                         "Attend to each chunk while the next one travels, then let it go.")
+        if held > MOST_KV_HELD:
+            return wrong(f"with {case}, rank {rank}'s tensors still alive during a product held {held:.1f} chunks' "
+                         "K and V at once (receive buffers, stacks, clones: any copy): a ring rank keeps the chunk "
+                         "it computes on and the one arriving, no more (attend's copy of the visible keys and "
+                         f"values makes {MOST_KV_HELD}). Attend to each chunk while the next one travels, then "
+                         "let it go.")
         if r["most_tokens"] > r["largest_chunk"]:
             return wrong(f"with {case}, rank {rank} built a tensor of {r['most_tokens']} tokens, more than a "
                          f"chunk ({r['largest_chunk']}): a ring rank holds one K/V chunk at a time (and the next "
@@ -255,6 +333,9 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
         if world_size > 1 and not any(event[0] == "irecv" for event in r["log"]):
             return wrong(f"with {case}, rank {rank} received nothing with dist.irecv (no isend/irecv seen): pass "
                          "the K/V chunks to the next rank with dist.isend / dist.irecv (start_pass).")
+    if not all(r["finite"] for r in results):
+        return wrong(f"with {case} the output or lse has inf or nan: with scores of hundreds e^score overflows "
+                     "float32 (e^89 already does). Merge with the running max subtracted (Exercise 1's merge).")
     if not all(r["ok_out"] for r in results):
         if causal and all(r["uncausal"] for r in results):
             return wrong(f"with {case} the output is attention *without* the causal mask: pass causal on to attend.")
@@ -266,7 +347,7 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
         return wrong(f"with {case} the output is right but lse is not: return the merged log-sum-exp.")
     if not causal and not all(_overlapped(r["log"]) for r in results):
         return wrong("the result is right, but a chunk arrived while nothing was computed: between posting each "
-                     "irecv and waiting for it the check saw no matrix product. Post the isend/irecv of the next "
+                     "irecv and waiting for it the check saw no matrix product on keys or values. Post the isend/irecv of the next "
                      "chunk *before* calling attend on the current one, and wait after.")
     return None
 
@@ -281,23 +362,28 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name):
 def ring_forward(forward):
     """Exercise 2: ring attention's forward, checked against full attention on 2, 3 and 4 ranks."""
     seed = random.randrange(1 << 30)
-    for world_size, seq_len, causal, layout_name in RING_CASES:
-        try:
-            results = launch(_ring_run, world_size, forward, seed, seq_len, causal, layout_name,
-                             show=None, timeout=TIMEOUT)
-        except WorkerTimeoutError:
-            return wrong(f"with {world_size} ranks the ranks waited for each other until the timeout: every isend "
-                         "to rank r+1 needs an irecv on rank r+1 from rank r (the check also runs 3 and 4 ranks).")
-        except WorkerError as e:
-            reason = e.failed.get(e.rank, str(e))
-            advice = (" The check runs 2, 3 and 4 ranks: compute the neighbours from the rank and the world size."
-                      if "signal" in reason else "")
-            return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}, rank {e.rank} failed: {reason}.{advice}")
-        feedback = _judge_ring(results, world_size, seq_len, causal, layout_name)
+    for world_size, seq_len, causal, layout_name, scale in RING_CASES:
+        with tempfile.TemporaryDirectory() as transfers:
+            try:
+                results = launch(_ring_run, world_size, forward, seed, seq_len, causal, layout_name, scale,
+                                 transfers, show=None, timeout=TIMEOUT)
+            except WorkerTimeoutError:
+                return wrong(f"with {world_size} ranks the ranks waited for each other until the timeout: every "
+                             "isend to rank r+1 needs an irecv on rank r+1 from rank r (the check also runs 3 and "
+                             "4 ranks).")
+            except WorkerError as e:
+                mismatch = _mismatched_transfer(transfers, world_size)
+                if mismatch is not None:  # gloo aborts the receiving rank's process (SIGABRT)
+                    return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}: {mismatch}")
+                reason = e.failed.get(e.rank, str(e))
+                advice = (" The check runs 2, 3 and 4 ranks: compute the neighbours from the rank and the world "
+                          "size." if "signal" in reason else "")
+                return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}, rank {e.rank} failed: "
+                             f"{reason}.{advice}")
+        feedback = _judge_ring(results, world_size, seq_len, causal, layout_name, scale)
         if feedback is not None:
             return feedback
-    return correct("2, 3 and 4 ranks, uneven chunks, causal or not, both layouts: the output and lse equal "
-                   "full attention, chunks go only to neighbours, and the next one travels during attend.")
+    return correct("full attention on 2-4 ranks; neighbours only, overlapped, <= 3 chunks.")
 
 
 # ------------------------------------------------------------------ Exercise 3: the zig-zag layout
@@ -359,5 +445,4 @@ def zigzag_layout(fn):
         if (len(set(flops)) > 1) if even else max(flops) > UNEVEN_TOLERANCE * min(flops):
             return wrong(f"with {case} the ranks' work is not balanced: measured flops per rank {flops}. "
                          "Pair the slices so that each rank's two costs add up to the same total.")
-    return correct("2, 3 and 4 ranks, random lengths: every token once, two slices per rank, and the same measured "
-                   "flops on every rank; for lengths 2N does not divide, within 25%.")
+    return correct("every token once, two slices per rank, equal flops on 2-4 ranks.")

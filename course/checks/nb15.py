@@ -2,6 +2,7 @@
 
 import copy
 import numbers
+import random
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,184 @@ DIM, HIDDEN = 8, 16
 ALL_TO_ALL = {"all_to_all", "all_to_all_single"}
 
 
-# ------------------------------------------------------------------ Exercise 1: dispatch and combine
+# ------------------------------------------------------------------ Exercise 1: top-k routing and the capacity
+
+# (tokens, k, experts, capacity): top-1 to top-3, capacities that drop many, a few, or no assignments
+CAPACITY_CASES = [(16, 2, 4, 8), (16, 2, 4, 5), (12, 1, 4, 2), (10, 3, 6, 4), (9, 2, 8, 1), (6, 2, 4, 12)]
+
+
+def _choices(seed, tokens, k, n_experts, skew=0.0):
+    """Each token's k distinct experts, best first, from random scores (expert 0 raised by ``skew``)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, n_experts, generator=g)
+    logits[:, 0] += skew
+    return logits.topk(k, dim=-1).indices
+
+
+def _judge_capacity(fn, seed):
+    for i, (tokens, k, n_experts, capacity) in enumerate(CAPACITY_CASES):
+        experts = _choices(seed + i, tokens, k, n_experts, skew=1.5)
+        case = f"{tokens} tokens, top-{k} of {n_experts} experts, capacity {capacity}"
+        try:
+            keep = fn(experts.clone(), n_experts, capacity)
+        except Exception as e:  # noqa: BLE001 - reported as the feedback
+            return wrong(f"with {case}, within_capacity raised {type(e).__name__}: {e}")
+        if not isinstance(keep, torch.Tensor) or keep.shape != experts.shape:
+            return wrong(f"within_capacity returns a boolean tensor shaped like experts, (tokens, k) = "
+                         f"{tuple(experts.shape)}: True for each assignment its expert keeps.")
+        keep = keep.bool()
+        expected = guard.original(ep.within_capacity)(experts, n_experts, capacity)  # the course's, unguarded
+        if torch.equal(keep, expected):
+            continue
+        for e in range(n_experts):
+            held = int(keep[experts == e].sum())
+            if held > capacity:
+                return wrong(f"with {case}, expert {e} kept {held} assignments: an expert keeps at most its "
+                             "capacity and drops the rest.")
+        for e in range(n_experts):
+            dropped_first = ((experts[:, 0] == e) & ~keep[:, 0]).any()
+            kept_later = ((experts[:, 1:] == e) & keep[:, 1:]).any()
+            if dropped_first and kept_later:
+                return wrong(f"with {case}, expert {e} kept a second (or later) choice and dropped a first choice: "
+                             "an expert takes the first choices of all tokens first (in token order), then the "
+                             "second choices, and so on.")
+        t, j = torch.nonzero(keep != expected)[0].tolist()
+        return wrong(f"with {case}, token {t}'s choice {j} (expert {int(experts[t, j])}) should be "
+                     f"{'kept' if expected[t, j] else 'dropped'}: fill each expert in the order first choices of "
+                     "tokens 0, 1, ..., then second choices, until it holds its capacity.")
+    return None
+
+
+def _judge_route(route, seed):
+    for i, (tokens, k, n_experts, capacity_factor) in enumerate(
+            [(12, 2, 4, None), (12, 1, 4, 1.0), (16, 2, 4, 1.0), (10, 3, 6, 1.25), (9, 2, 8, None)]):
+        torch.manual_seed(seed + i)
+        router = torch.nn.Linear(DIM, n_experts, bias=False)
+        with torch.no_grad():
+            router.weight[0] += 0.5  # a skewed router: capacities drop
+        x = torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(seed + i)).abs()
+        case = f"{tokens} tokens, top-{k} of {n_experts} experts, capacity factor {capacity_factor}"
+        try:
+            got = route(router, x, k, capacity_factor)
+        except Exception as e:  # noqa: BLE001 - reported as the feedback
+            return wrong(f"with {case}, route raised {type(e).__name__}: {e}")
+        want = guard.original(ep.route)(router, x, k, capacity_factor)
+        if not all(isinstance(getattr(got, a, None), torch.Tensor) for a in ("experts", "weights", "keep", "logits")):
+            return wrong("route returns a Routing(experts, weights, keep, logits).")
+        if got.experts.shape != want.experts.shape:
+            return wrong(f"with {case}, route returned experts of shape {tuple(got.experts.shape)}, not (tokens, k) = "
+                         f"{tuple(want.experts.shape)}: each token goes to its top {k} experts (top-{got.experts.shape[-1]} "
+                         f"for top-{k}?).")
+        if not torch.equal(got.experts.sort(-1).values, want.experts.sort(-1).values):
+            return wrong(f"with {case}, a token went to other experts than its {k} highest-scoring ones.")
+        order = got.experts.argsort(-1)  # compare weights and keep expert by expert, whatever the order
+        weights = got.weights.gather(-1, order) if got.weights.shape == got.experts.shape else got.weights
+        keep = got.keep.bool().gather(-1, order) if got.keep.shape == got.experts.shape else got.keep
+        want_order = want.experts.argsort(-1)
+        if weights.shape != want.weights.shape or not torch.allclose(weights, want.weights.gather(-1, want_order), atol=1e-6):
+            return wrong(f"with {case}, the weights differ: a token's k weights are the softmax of its k scores "
+                         "(they sum to 1), not the softmax over all experts.")
+        if keep.shape != want.keep.shape or not torch.equal(keep, want.keep.gather(-1, want_order)):
+            if capacity_factor is not None and keep.all():
+                return wrong(f"with {case}, every assignment was kept: with a capacity factor each expert keeps "
+                             "ceil(capacity_factor x tokens x k / experts) of them (within_capacity).")
+            return wrong(f"with {case}, the kept assignments differ: the capacity is "
+                         "ceil(capacity_factor x tokens x k / experts), and within_capacity decides which fit.")
+    return None
+
+
+@exercise(
+    "Exercise 1 (routing and the capacity)",
+    hint="within_capacity: lay the assignments out first choices first (experts.T flattened: choice 0 of every "
+    "token, then choice 1, ...); an assignment's place in its expert's queue is how many assignments to that "
+    "expert came before it (a cumulative count); keep it if its place < capacity. route: logits.topk(k), the "
+    "softmax of the k scores, and within_capacity with ceil(capacity_factor * tokens * k / experts).",
+    finished=("course.parallel.expert_parallel.within_capacity", "course.parallel.expert_parallel.route"),
+)
+def routing(route, within_capacity):
+    """Exercise 1: top-k routing with a capacity that takes first choices first."""
+    seed = random.randrange(1 << 30)  # fresh scores each time: nothing can be hard-coded
+    feedback = _judge_capacity(within_capacity, seed)
+    if feedback is None:
+        feedback = _judge_route(route, seed)
+    if feedback is not None:
+        return feedback
+    return correct("top-1 to top-3, with capacities: first choices first.")
+
+
+# ------------------------------------------------------------------ Exercise 2: the load-balancing loss
+
+
+def _routings(seed):
+    """(name, Routing with leaf logits): top-1 and top-2, 4 and 8 experts, a skewed router, an exactly even
+    load (f_e = P_e = 1/E: the loss is 1), and a rank with no tokens."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for name, tokens, k, n_experts, skew in (("top-2 of 4 experts", 12, 2, 4, 0.0), ("top-1 of 8 experts", 16, 1, 8, 0.0),
+                                              ("top-2 of 8, skewed", 20, 2, 8, 2.0)):
+        logits = torch.randn(tokens, n_experts, generator=g, dtype=torch.float64)
+        logits[:, 0] += skew
+        cases.append((name, logits.requires_grad_(), k))
+    even = torch.zeros(8, 4, dtype=torch.float64)  # equal scores: P_e = 1/4; top-1 by hand below: f_e = 1/4
+    cases.append(("an even load", even.requires_grad_(), 1))
+    cases.append(("a rank with no tokens", torch.zeros(0, 4, dtype=torch.float64, requires_grad=True), 2))
+    routings = []
+    for name, logits, k in cases:
+        if name == "an even load":
+            experts = torch.arange(8).remainder(4)[:, None]
+        else:
+            experts = logits.detach().topk(k, dim=-1).indices
+        weights = logits.detach().gather(-1, experts).softmax(-1)
+        routings.append((name, ep.Routing(experts, weights, torch.ones_like(experts, dtype=torch.bool), logits)))
+    return routings
+
+
+@exercise(
+    "Exercise 2 (the load-balancing loss)",
+    hint="f: one_hot(routing.experts, E) summed over tokens and choices, divided by the number of assignments "
+    "(tokens x k), so that it sums to 1; P: the softmax of routing.logits over the experts, averaged over the "
+    "tokens; the loss is E * (f * P).sum(). A batch with no tokens: return 0 that keeps the graph "
+    "(logits.sum() * 0), not 0/0.",
+    finished=("course.parallel.expert_parallel.load_balancing_loss",),
+)
+def balancing_loss(fn):
+    """Exercise 2: the Switch Transformer's auxiliary loss, its value and its gradient."""
+    seed = random.randrange(1 << 30)
+    for name, routing in _routings(seed):
+        mine = ep.Routing(routing.experts, routing.weights, routing.keep, routing.logits.detach().requires_grad_())
+        try:
+            loss = fn(mine)
+        except Exception as e:  # noqa: BLE001 - reported as the feedback
+            return wrong(f"with {name}, your loss raised {type(e).__name__}: {e}")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return wrong("return the loss as a one-element tensor.")
+        want = guard.original(ep.load_balancing_loss)(routing)
+        if not torch.isfinite(loss).all():
+            return wrong(f"with {name}, the loss is {loss.item()}: a rank with no tokens has no load and no loss "
+                         "(0, not 0/0).")
+        if not torch.allclose(loss.double(), want, atol=1e-9):
+            n_experts, k = routing.logits.shape[-1], routing.experts.shape[-1]
+            if k > 1 and torch.allclose(loss.double(), k * want, atol=1e-9):
+                return wrong(f"with {name}, the loss is k = {k} times too large: f_e is the fraction of all "
+                             "tokens x k assignments, so that the f_e sum to 1.")
+            if torch.allclose(loss.double() * n_experts, want, atol=1e-9):
+                return wrong(f"with {name}, the loss is E = {n_experts} times too small: multiply by E, so that an "
+                             "even load gives 1.")
+            return wrong(f"with {name}, the loss is {loss.item():.4f}, not {want.item():.4f}: E * sum_e f_e P_e, "
+                         "f_e the fraction of assignments to expert e, P_e the mean of the router's softmax over "
+                         "all E experts (from the logits, not the k weights).")
+        if routing.logits.numel():
+            want.backward()
+            if not loss.requires_grad:
+                return wrong(f"with {name}, the loss has no gradient: P_e, from the logits, carries it.")
+            loss.backward()
+            if mine.logits.grad is None or not torch.allclose(mine.logits.grad, routing.logits.grad, atol=1e-9):
+                return wrong(f"with {name}, the value is right but the gradient is not: f_e is a count (no "
+                             "gradient); only P_e, the mean softmax of the logits, is differentiable.")
+    return correct("value and gradient right; even load 1, no tokens 0.")
+
+
+# ------------------------------------------------------------------ Exercise 3: dispatch and combine
 
 # (ranks, experts, k, capacity factor, router skew, tokens per rank, dp): several world sizes, so that a
 # solution written for 2 ranks fails; uneven counts everywhere; dropped tokens; ranks that receive no
@@ -91,6 +269,17 @@ def _layer_run(rank, world_size, dispatch, combine, n_experts, k, capacity_facto
         loss = loss + (y * upstream).sum() + aux
         inputs[r] = (x, y.detach())
     loss.backward()
+    # the rows this rank must send in the dispatch (its kept assignments) and receive (the kept assignments of
+    # every member for this rank's experts): the combine sends back what was received, backward reverses both
+    per_rank = n_experts // len(members)
+    first = members.index(rank) * per_rank
+    kept, received = 0, 0
+    for r in members:
+        routing = ep.route(reference.router, make_tokens(r, tokens[r], positive=skew > 0)[0], k, capacity_factor)
+        chosen = routing.experts[routing.keep]
+        kept += len(chosen) if r == rank else 0
+        received += int(((chosen >= first) & (chosen < first + per_rank)).sum())
+    needed = 2 * (kept + received) * DIM * 8  # float64 rows, forward and backward
 
     # The layer calls the answer's functions (in this rank only). An answer that calls
     # ep.dispatch (the course's own) would now call itself: say so rather than recurse.
@@ -108,8 +297,6 @@ def _layer_run(rank, world_size, dispatch, combine, n_experts, k, capacity_facto
     ((y * upstream).sum() + aux).backward()
     for g in groups:
         tracing.wait_all(g)
-    per_rank = n_experts // len(members)
-    first = members.index(rank) * per_rank
     expert_grads_ok = all(
         torch.allclose(p.grad if p.grad is not None else torch.zeros_like(p),
                        q.grad if q.grad is not None else torch.zeros_like(q), rtol=1e-9, atol=1e-9)
@@ -119,6 +306,8 @@ def _layer_run(rank, world_size, dispatch, combine, n_experts, k, capacity_facto
     return {
         "ops": sorted({(c.op, "all ranks" if g is None else "the ep group", _what(c, x)) for g in groups
                        for c in tracing.collectives(g)}),
+        "token_bytes": sum(c.bytes for g in groups for c in tracing.collectives(g) if _what(c, x) == "tokens"),
+        "needed_bytes": needed,
         "output_ok": torch.allclose(y, inputs[rank][1], rtol=1e-9, atol=1e-9),
         "input_grad_ok": x.grad is not None and torch.allclose(x.grad, inputs[rank][0].grad, rtol=1e-9, atol=1e-9),
         "expert_grads_ok": expert_grads_ok,
@@ -154,18 +343,25 @@ def _judge_layer(results, case, subgroup):
                      "through both exchanges — use the differentiable AllToAll, not dist.all_to_all_single directly.")
     if not all(r["expert_grads_ok"] for r in results):
         return wrong(f"with {case}, the output is right but the experts' gradients are not.")
+    for rank, r in enumerate(results):
+        if r["token_bytes"] > r["needed_bytes"]:
+            return wrong(f"with {case}, rank {rank} handed {r['token_bytes']:,} B of tokens to its all-to-alls "
+                         f"(forward and backward), {r['token_bytes'] / r['needed_bytes']:.1f} x the "
+                         f"{r['needed_bytes']:,} B the exchange needs: each row goes only to the rank of its "
+                         "expert (and back), with uneven split sizes. Sending every token to every rank is an "
+                         "all-gather in disguise, N times the bytes.")
     return None
 
 
 @exercise(
-    "Exercise 1 (dispatch and combine)",
+    "Exercise 3 (dispatch and combine)",
     hint="dispatch: first an all-to-all of the counts (each rank sends each rank the counts of that rank's experts), "
     "then rows per rank = counts summed per rank, and AllToAll.apply(x_sorted, rows to receive, rows to send, group); "
     "combine: the same exchange backwards, split sizes swapped.",
     finished=("course.parallel.expert_parallel.dispatch", "course.parallel.expert_parallel.combine"),
 )
 def dispatch_combine(dispatch, combine):
-    """Exercise 1: the expert-parallel layer with the answer's dispatch and combine equals the
+    """Exercise 3: the expert-parallel layer with the answer's dispatch and combine equals the
     single-process layer (output, input and expert gradients) on 2, 3 and 4 ranks."""
     for case in LAYER_CASES:
         name = _case_name(*case)
@@ -178,12 +374,10 @@ def dispatch_combine(dispatch, combine):
         feedback = _judge_layer(results, name, subgroup=case[-1] > 1)
         if feedback is not None:
             return feedback
-    cases = "; ".join(_case_name(*case) for case in LAYER_CASES)
-    return correct(f"{cases}: outputs, input gradients and expert gradients equal the single-process layer's, "
-                   "with all-to-alls only.")
+    return correct("the single-process layer on 2-4 ranks; only the rows needed.")
 
 
-# ------------------------------------------------------------------ Exercise 2: predict the bytes
+# ------------------------------------------------------------------ Exercise 4: predict the bytes
 
 BYTES_DIMS = {2: 96, 3: 160, 4: 128}  # >= 384 B per token: more than gloo's headers; varied, so dim must be used
 HEADER_SLACK = 200  # bytes per peer gloo may add (measured: 144 B per peer per all_to_all_single, torch 2.15)
@@ -202,18 +396,19 @@ def _bytes_run(rank, world_size, send_counts, dim):
     receive = send_counts[:, rank].tolist()
     x = torch.randn(sum(send), dim)
     out = torch.empty(sum(receive), dim)
+    dist.barrier()  # the connections' setup traffic done before measuring
     with wire.measure() as m:
         dist.all_to_all_single(out, x, receive, send)
     return m.sent
 
 
 @exercise(
-    "Exercise 2 (bytes sent)",
+    "Exercise 4 (bytes sent)",
     hint="row `rank` of send_counts says how many tokens this rank sends to each rank; each token is dim float32 "
     "values; and one of those chunks never leaves the process.",
 )
 def bytes_sent(predict):
-    """Exercise 2: predict the bytes a rank sends in one all-to-all, then compare with the wire."""
+    """Exercise 4: predict the bytes a rank sends in one all-to-all, then compare with the wire."""
     for world_size, seed in ((2, 0), (3, 1), (4, 2)):
         counts, dim = random_send_counts(world_size, seed), BYTES_DIMS[world_size]
         measured = launch(_bytes_run, world_size, counts, dim, show=None, timeout=60)
@@ -234,11 +429,10 @@ def bytes_sent(predict):
                 return wrong("count bytes: a float32 value is 4 bytes.")
             return wrong(f"on {world_size} ranks, dim = {dim}, with send_counts = {counts.tolist()}, rank {rank} sent "
                          f"{measured[rank]:,} B (gloo adds ~{144 * (world_size - 1)} B of headers); you predicted {guess:,}.")
-    return correct("2, 3 and 4 ranks, dim 96, 160 and 128, 9 ranks' worth of uneven counts: every prediction is what the wire measured, "
-                   "less gloo's headers.")
+    return correct("what the wire measured on 2, 3 and 4 ranks, less gloo's headers.")
 
 
-# ------------------------------------------------------------------ Exercise 3: the EP x DP gradient sync
+# ------------------------------------------------------------------ Exercise 5: the EP x DP gradient sync
 
 SYNC_MESHES = [(4, 2), (2, 2), (4, 1)]  # (ranks, dp): 2x2, then pure DP, then pure EP
 STEPS, LR = 1, 0.1  # one step: a wrong expert update does not yet change the router's gradient
@@ -296,13 +490,13 @@ def compare_training(results, moe):
 
 
 @exercise(
-    "Exercise 3 (EP x DP gradient sync)",
+    "Exercise 5 (EP x DP gradient sync)",
     hint="skip frozen parameters (no .grad). After backward, an expert's gradient already holds every token of its expert-parallel group; "
     "the router's holds only this rank's. Each rank's loss counts 1/(all ranks) in the mean.",
     finished=("course.parallel.expert_parallel.sync_gradients",),
 )
 def ep_dp_sync(sync):
-    """Exercise 3: fix the gradient sync; trained on 2x2, 1x2 and 1x4 meshes (dp x ep) it must match one process."""
+    """Exercise 5: fix the gradient sync; trained on 2x2, 1x2 and 1x4 meshes (dp x ep) it must match one process."""
     for world_size, dp in SYNC_MESHES:
         mesh = f"{dp} x {world_size // dp} mesh (dp x ep)"
         try:
@@ -319,5 +513,4 @@ def ep_dp_sync(sync):
         if not experts:
             return wrong(f"on a {mesh}, the router is right but the experts are not: which ranks hold the same experts, "
                          "and by what must their sum be divided?")
-    return correct("on 2x2, 2x1 and 1x4 meshes (dp x ep), experts with frozen biases, one SGD step: the router and "
-                   "every expert equal one process's.")
+    return correct("on 2x2, 2x1 and 1x4 meshes, frozen biases: like one process.")

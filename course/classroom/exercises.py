@@ -171,7 +171,7 @@ class Exercise:
             feedback = Feedback("", "wrong", f"not yet: {why}")
         else:
             try:
-                with guard.guarding(self.finished):
+                with guard.guarding(self.finished, answers):
                     feedback = self.judge(*answers, **options)
             except guard.FinishedVersionUsed as e:  # raised in this process, outside the ranks
                 feedback = Feedback("", "wrong", f"not yet: {e}")

@@ -5,12 +5,19 @@ is Exercise 2 of notebook 14, derived there step by step). An answer that *is* i
 would pass its check while teaching nothing, so a check names the finished versions of its answer
 (``@exercise(..., finished=["course.parallel.context_parallel.ring_forward"])``) and, while it judges:
 
-* an answer that is one of them, a ``functools.partial`` of it, a subclass of it, or a function
-  that keeps it in a default value, a closure or ``__wrapped__`` is refused at once;
+* an answer that is one of them, a ``functools.partial`` of it, a subclass of it, a function
+  that keeps it in a default value, a closure or ``__wrapped__``, or an answer whose code names a
+  *copy* of its code (:func:`_is_copy`: the same instructions, names and constants, from the
+  finished version's file or from ``exec``'s ``<string>``: a code object relined or rebuilt with
+  ``types.FunctionType``, a function kept from before ``importlib.reload``, ``exec`` of
+  ``inspect.getsource``) is refused at once;
 * the finished function itself (for a class: each of its methods) runs a guard in place of its
   code: every reference to it, wherever it is kept (an imported name, a list, a closure, a class
-  attribute, a borrowed method), reaches the guard. The guard refuses with
-  :class:`FinishedVersionUsed` unless course code that a check runs is calling it.
+  attribute, a borrowed method), reaches the guard. So does each copy kept as a function in the
+  answer's module or the notebook's, however the answer reaches it (``globals()[...]``). The
+  guard refuses with :class:`FinishedVersionUsed` unless course code that a check runs is calling it;
+* ``importlib.reload`` of the finished version's module, from the answer, is refused (it would
+  make fresh, unguarded functions).
 
 Who is calling: going up the frames from the call, past the libraries (Python's, torch...):
 the student's code (any file outside the course package) before a check's means the answer
@@ -18,24 +25,29 @@ reached it, perhaps through course code; a check's own frame first means the che
 *as the answer* (a borrowed method, a staticmethod in the answer's class...); course code on
 the way to a check is course code the check runs, which may use it; no check on the stack (a
 thread the answer started) is refused too. A check that wants the finished version itself, as
-its reference, calls :func:`original`. Code Python generates (a dataclass's ``__init__``, file
+its reference, calls :func:`original`, which answers a check only: the answer asking, or
+calling a check's helper that asks, is refused. Code Python generates (a dataclass's ``__init__``, file
 ``<string>``) counts as the student's.
 
 The ranks of a launch started during a check install the same guards before they unpickle
 their function (:func:`install`; a forked rank inherits them anyway).
 
-What it cannot see: an answer that copies the finished code's text is a derivation by another
-name, and deliberate obfuscation (a function rebuilt from the finished code object before the
-check and hidden in a container, a module reloaded to get fresh functions) goes further than a
-check should chase. The course's promise is
-about the plausible wrong answers.
+What it cannot see: the finished code's *text* typed again, pasted (``solution()`` shows it) or
+run by ``exec`` under another file name is the same code a derivation that ends where the
+course's does compiles to (notebook 16's solution is, instruction for instruction): it passes.
+Nor does it chase deliberate digging: a copy kept outside the answer's module and the notebook's
+and reached by a name the answer's code does not spell (``getattr(torch, "f" + "n")``), this
+module's private state, ``gc``. The course's promise is about the plausible wrong answers and
+every way to hand in the package's own code (README's paragraph on checks says what is not refused).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import importlib
+import itertools
 import os
 import sys
 import sysconfig
@@ -76,17 +88,16 @@ def message(dotted: str) -> str:
 def refused(answer, dotted_names) -> str | None:
     """Why ``answer`` is one of the finished versions in another form, or None."""
     for dotted in dotted_names:
-        if _holds(answer, getattr(*resolve(dotted)), depth=2):
+        finished = getattr(*resolve(dotted))
+        if _holds(answer, finished, depth=2) or any(_is_copy(x, finished) for x in _named(answer)):
             return message(dotted)
     return None
 
 
 def _holds(obj, original, depth) -> bool:
-    if obj is original:
+    if obj is original or _is_copy(obj, original):
         return True
     if isinstance(original, type) and isinstance(obj, type) and issubclass(obj, original):
-        return True
-    if getattr(obj, "__code__", None) is not None and obj.__code__ in {_own_code(f) for f in _functions(original)}:
         return True
     if depth == 0:
         return False
@@ -102,6 +113,102 @@ def _holds(obj, original, depth) -> bool:
     if isinstance(obj, type):  # a class that borrows the finished class's methods
         inner += [v for cls in obj.__mro__[:-1] for v in vars(cls).values()]
     return any(x is not None and _holds(x, original, depth - 1) for x in inner)
+
+
+# ------------------------------------------------------------------ copies of its code
+
+
+def _body(code) -> tuple:
+    """What code does, not where it was written: its instructions with the names and constants
+    they use (nested code compared the same way), without its file, lines or local names. A
+    method call on a module reads the same compiled with its imports or without them (as
+    ``exec`` of one function's source compiles it: ``LOAD_METHOD``, not ``LOAD_ATTR``)."""
+    if code not in _bodies:
+        _bodies[code] = tuple(
+            (_SAME.get(i.opname, i.opname),
+             None if i.opcode in _JUMPS else i.arg if i.opcode in _LOCALS
+             else _body(i.argval) if isinstance(i.argval, types.CodeType) else (type(i.argval), i.argval))
+            for i in dis.get_instructions(code))
+    return _bodies[code]
+
+
+_bodies: dict = {}  # code -> its _body (code objects are immutable)
+_SAME = {"LOAD_METHOD": "LOAD_ATTR"}
+_JUMPS = frozenset(dis.hasjrel + dis.hasjabs)  # their targets move with the instructions' sizes
+_LOCALS = frozenset(dis.haslocal + dis.hasfree)
+
+
+def _is_copy(obj, finished) -> bool:
+    """``obj`` (a function, a method or a code object) runs the code of ``finished`` (a function,
+    or one of a class's methods), but is not it: its code object rebuilt or relined
+    (``code.replace``, ``types.FunctionType``), kept from before ``importlib.reload``, or its
+    source run by ``exec`` (file ``<string>``). The same text in a notebook cell is the
+    student's own: a derivation that ends where the course's does."""
+    obj = getattr(obj, "__func__", obj)
+    if isinstance(obj, types.FunctionType):
+        if obj in _saved:  # guarded: a finished version itself
+            return False
+        code = obj.__code__
+    elif isinstance(obj, types.CodeType):
+        code = obj
+    else:
+        return False
+    for function in _functions(finished):
+        own = _own_code(function)
+        if (obj is not function and _kind(own.co_filename) == "course"  # not code Python generated (a dataclass's)
+                and code.co_filename in (own.co_filename, "<string>") and _body(code) == _body(own)):
+            return True
+    return False
+
+
+def _names(code) -> set:
+    """Every name ``code`` (with the code nested in it) looks up: globals and attributes alike."""
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _named(answer, depth=4):
+    """What the answer's code can reach by name: the globals and attributes it names, what its
+    functions keep (defaults, closures), the items of containers, to ``depth`` steps."""
+    seen, todo, names = set(), [(answer, depth)], set()
+    while todo:
+        obj, left = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        yield obj
+        if left == 0:
+            continue
+        with contextlib.suppress(Exception):  # an object that will not say what it holds holds nothing here
+            todo += [(x, left - 1) for x in _inside(obj, names, answer)]
+
+
+def _inside(obj, names, answer) -> list:
+    """What :func:`_named` looks at next from ``obj``; adds the names a function's code looks up."""
+    obj = getattr(obj, "__func__", obj)  # a method, a staticmethod, a classmethod
+    if isinstance(obj, types.FunctionType):
+        names |= _names(obj.__code__)
+        return ([obj.__globals__[n] for n in _names(obj.__code__) if n in obj.__globals__]
+                + [c.cell_contents for c in obj.__closure__ or () if _full(c)]
+                + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values()))
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(itertools.islice(obj, 1000))
+    if isinstance(obj, dict):
+        return list(itertools.islice(obj.values(), 1000))
+    if isinstance(obj, type):  # the answer's own class: every method the check may call; another: what is named
+        spaces = [vars(cls) for cls in obj.__mro__[:-1]]
+        return [v for space in spaces for k, v in space.items() if obj is answer or k in names]
+    space = getattr(obj, "__dict__", None)  # a module, an object: the attributes the code names
+    return [space[n] for n in names if n in space] if isinstance(space, dict) else []
+
+
+def _full(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _functions(obj) -> list:
@@ -183,22 +290,48 @@ def _guard_code(function, index):
 
 def original(function):
     """The unguarded finished version, for a check's own reference (``function`` itself when it
-    is not guarded)."""
-    return _saved[function][1] if function in _saved else function
+    is not guarded). Only a check may ask, and not on the answer's behalf: a student's frame
+    between the caller and the outermost check (the answer asking, or calling a check's helper
+    that asks), or no check at all, is refused with :class:`FinishedVersionUsed`."""
+    if function not in _saved:
+        return function
+    if not _asked_by_a_check(sys._getframe(1)):
+        raise FinishedVersionUsed(message(_saved[function][2]))
+    return _saved[function][1]
+
+
+def _asked_by_a_check(frame) -> bool:
+    checks, student = False, False  # seen yet, going up
+    while frame is not None:
+        kind = _kind(frame.f_code.co_filename)
+        if kind == "check":
+            if student:
+                return False
+            checks = True
+        elif kind == "student":
+            if not checks:
+                return False
+            student = True  # fine if no check is above it (the notebook that called the check)
+        frame = frame.f_back
+    return checks
 
 
 # ------------------------------------------------------------------ installing
 
 
-def install(dotted_names, undo: list):
-    """Guard each finished version (see the module's docstring); append to ``undo`` what
+def install(dotted_names, undo: list, answers=()):
+    """Guard each finished version (see the module's docstring), and each copy of its code kept
+    where the ``answers`` or the notebook can reach it (:func:`_kept`); append to ``undo`` what
     :func:`uninstall` must put back, as it goes. Names already guarded are left alone."""
     for dotted in dotted_names:
         if dotted in _active:
             continue
         _active[dotted] = []
         undo.append(dotted)
-        for function in _functions(getattr(*resolve(dotted))):
+        if _NoReload not in sys.meta_path:
+            sys.meta_path.insert(0, _NoReload)
+        finished = getattr(*resolve(dotted))
+        for function in _functions(finished) + _kept(finished, answers):
             if function in _saved:  # the same function under two names
                 continue
             copy = types.FunctionType(function.__code__, function.__globals__, function.__name__,
@@ -219,14 +352,64 @@ def uninstall(undo: list):
     for dotted in reversed(undo):
         for function in _active.pop(dotted, []):
             function.__code__ = _saved.pop(function)[0]
+    if not _active and _NoReload in sys.meta_path:
+        sys.meta_path.remove(_NoReload)
+
+
+def _kept(finished, answers) -> list:
+    """Copies of the finished code (:func:`_is_copy`) kept as functions in the answers' modules or
+    the notebook's (``__main__``), or one step inside what they hold there (a container's items, a
+    function's closure and defaults, a class's methods): reached by a name the answer's code does
+    not spell (``globals()[...]``), they refuse too when called."""
+    files = {_own_code(f).co_filename for f in _functions(finished)} | {"<string>"}  # where a copy's code says it is from
+    spaces = {id(s): s for a in answers if isinstance(s := getattr(a, "__globals__", None), dict)}
+    main = getattr(sys.modules.get("__main__"), "__dict__", None)
+    spaces.update({id(main): main} if isinstance(main, dict) else {})
+    found = []
+    for space in spaces.values():
+        for value in list(space.values()):
+            try:
+                inside = _one_step_in(value)
+            except Exception:  # noqa: BLE001 - an object that will not say what it holds holds nothing here
+                inside = []
+            for obj in (value, *inside):
+                if (type(obj) is types.FunctionType and obj.__code__.co_filename in files
+                        and obj not in found and _is_copy(obj, finished)):
+                    found.append(obj)
+    return found
+
+
+def _one_step_in(value) -> list:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(itertools.islice(value, 1000))
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), 1000))
+    if isinstance(value, types.FunctionType):
+        return [c.cell_contents for c in value.__closure__ or () if _full(c)] + list(value.__defaults__ or ())
+    if isinstance(value, type):
+        return [getattr(v, "__func__", v) for v in vars(value).values()]
+    return []
+
+
+class _NoReload:
+    """A finder first on ``sys.meta_path`` while a check judges: ``importlib.reload`` of a module
+    that holds a guarded version, from the answer, would make fresh, unguarded functions: refused."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if target is not None and sys.modules.get(name) is target:  # a reload, not an import
+            for dotted in _active:
+                if dotted.rpartition(".")[0] == name and called_from_an_answer(sys._getframe(1)):
+                    raise FinishedVersionUsed(message(dotted))
+        return None
 
 
 @contextlib.contextmanager
-def guarding(dotted_names):
+def guarding(dotted_names, answers=()):
     """The finished versions are guarded inside the block (see the module's docstring)."""
     undo = []
     try:
-        install(dotted_names, undo)
+        install(dotted_names, undo, answers)
         yield
     finally:
         uninstall(undo)

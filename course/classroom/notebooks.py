@@ -62,8 +62,13 @@ if "google.colab" in sys.modules:
 """
 
 
+def colab_url(folder: str, name: str) -> str:
+    """Where Colab opens ``folder/name`` of the course's repository (its main branch)."""
+    return f"https://colab.research.google.com/github/{REPO}/blob/main/{folder}/{name}"
+
+
 def colab_badge(folder: str, name: str) -> str:
-    url = f"https://colab.research.google.com/github/{REPO}/blob/main/{folder}/{name}"
+    url = colab_url(folder, name)
     return f'<a href="{url}" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>'
 
 

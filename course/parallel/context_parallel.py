@@ -67,11 +67,14 @@ def attend(q, k, v, q_pos, k_pos, causal=False):
 def merge(out1, lse1, out2, lse2):
     """The online softmax: two partial results (over two disjoint sets of keys) -> the result
     over both. Each output is weighted by its share of the total exp-sum, exp(lse_i - lse),
-    computed after subtracting the larger lse so that no exp can overflow."""
+    computed after subtracting the larger lse so that no exp can overflow. A query that saw
+    no key in either partial (both lse -inf) keeps out 0 and lse -inf."""
     m = torch.maximum(lse1, lse2)
-    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()  # <= 1; the larger one is exactly 1
-    lse = m + (w1 + w2).log()
-    out = (w1.unsqueeze(-1) * out1 + w2.unsqueeze(-1) * out2) / (w1 + w2).unsqueeze(-1)
+    m = m.masked_fill(m == float("-inf"), 0)  # both -inf: -inf - (-inf) would be nan; any finite m will do
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()  # <= 1; the larger one is exactly 1, or both are 0
+    lse = m + (w1 + w2).log()  # -inf if both are 0
+    total = (w1 + w2).clamp(min=1)  # between 1 and 2 unchanged; 0 (nothing seen) -> 1, so out stays 0
+    out = (w1.unsqueeze(-1) * out1 + w2.unsqueeze(-1) * out2) / total.unsqueeze(-1)
     return out, lse
 
 

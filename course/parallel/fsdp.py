@@ -18,6 +18,7 @@ only the shards::
 * **Mixed precision** (:func:`compute_in`): the all-gather makes bfloat16 (or float16) copies
   to compute with; shards, optimizer state and gradient reduction stay float32. With float16,
   :func:`scaled_step` scales the loss and skips a step that overflowed, on every rank alike.
+* :func:`gather_masters` gives every rank the whole float32 master weights, by name.
 
 Frozen parameters (``requires_grad=False``) are not sharded: they stay whole on every
 rank, as under DDP (FSDP2 shards them too). Like DDP, rank 0's parameters are broadcast
@@ -107,6 +108,21 @@ def fully_shard_by_hand(model, units):
         unit.register_forward_pre_hook(gather)
         unit.register_forward_hook(after_forward)
     return shards
+
+
+def gather_masters(model, shards):
+    """{name: the whole parameter}, gathered from every rank's shards (one all-gather each) in the
+    shards' dtype: the float32 master weights even after :func:`compute_in`. Frozen parameters as
+    they are. Every rank gets all of it: to save a checkpoint, or to compare with another run."""
+    world_size, masters = dist.get_world_size(), {}
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        if p not in shards:
+            masters[name] = p.detach().clone()
+            continue
+        full = torch.empty(shards[p].numel() * world_size, dtype=shards[p].dtype)
+        dist.all_gather_into_tensor(full, shards[p].detach())
+        masters[name] = full[: p.numel()].view(p.shape)
+    return masters
 
 
 def compute_in(model, shards, dtype):

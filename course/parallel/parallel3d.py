@@ -1,4 +1,4 @@
-"""3-D parallelism (notebook 16): data × pipeline × tensor parallelism on one mesh of ranks.
+"""3-D parallelism (notebook 17): data × pipeline × tensor parallelism on one mesh of ranks.
 
 The ``world_size = dp · pp · tp`` ranks form a 3-D grid; rank ``r`` sits at
 

@@ -2,15 +2,15 @@
 
 Every launcher tells a process its place through environment variables, each with its own names:
 
-=================  ===================  ======================  ==========================  =====================
-launcher           rank                 world size              local rank                  rendezvous address
-=================  ===================  ======================  ==========================  =====================
-torchrun           RANK                 WORLD_SIZE              LOCAL_RANK                  MASTER_ADDR/PORT
-Slurm ``srun``     SLURM_PROCID         SLURM_NTASKS            SLURM_LOCALID               first host of SLURM_JOB_NODELIST
-Open MPI           OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE    OMPI_COMM_WORLD_LOCAL_RANK  MASTER_ADDR, or 127.0.0.1 on one node
-MPICH (Hydra)      PMI_RANK             PMI_SIZE                MPI_LOCALRANKID             MASTER_ADDR, or 127.0.0.1 on one node
-course.launch      RANK                 WORLD_SIZE              LOCAL_RANK                  none: a FileStore (COURSE_LAUNCHER names it)
-=================  ===================  ======================  ==========================  =====================
+==============  ====================  ====================  ==========================  ============================================
+launcher        rank                  world size            local rank                  rendezvous address
+==============  ====================  ====================  ==========================  ============================================
+torchrun        RANK                  WORLD_SIZE            LOCAL_RANK                  MASTER_ADDR/PORT
+Slurm ``srun``  SLURM_PROCID          SLURM_NTASKS          SLURM_LOCALID               first host of SLURM_JOB_NODELIST
+Open MPI        OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK  MASTER_ADDR, or 127.0.0.1 on one node
+MPICH (Hydra)   PMI_RANK              PMI_SIZE              MPI_LOCALRANKID             MASTER_ADDR, or 127.0.0.1 on one node
+course.launch   RANK                  WORLD_SIZE            LOCAL_RANK                  none: a FileStore (COURSE_LAUNCHER names it)
+==============  ====================  ====================  ==========================  ============================================
 
 :func:`discover` turns any of them into one :class:`DistEnv`. It reads variables and nothing
 else (no torch): whether a process group already exists is the caller's question
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
 
-# Each MPI family's names for (rank, world size, local rank, local world size).
+#: Each MPI family's names for (rank, world size, local rank, local world size).
 MPI_VARIABLES = {
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # also Intel MPI (Hydra)
     "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -36,7 +36,7 @@ MPI_VARIABLES = {
 
 
 class NoLauncherError(RuntimeError):
-    pass
+    """No launcher's variables are set: this process was not started by torchrun, Slurm, MPI or course.launch."""
 
 
 @dataclass(frozen=True)

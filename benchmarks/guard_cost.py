@@ -1,0 +1,68 @@
+"""What does course.classroom.guard add to a check? (A benchmark, not a test.)
+
+    python benchmarks/guard_cost.py [--repeats 30]
+
+Per exercise of notebooks 11, 14, 15 and 16: the time of what ``Exercise.__call__`` does
+around the judge, ``guard.refused`` (the answer and what its code names) and entering and
+leaving ``guard.guarding`` (the finished versions, the copies kept where the answer and the
+notebook can reach them, the reload finder), median over repeats, as wall time and as this
+process's CPU time (on a loaded machine the wall time is mostly waiting for a core). ``__main__`` holds what a
+notebook does by then: tensors, models, lists of per-rank results, helper functions, an
+``Out`` history. The answer is a small wrapper; the judge itself is not timed.
+"""
+
+import argparse
+import inspect
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+
+from course.checks import nb11, nb14, nb15, nb16  # noqa: E402
+from course.classroom import guard  # noqa: E402
+
+
+NEW = "answers" in inspect.signature(guard.guarding).parameters  # also runs with the guard before issue 37
+
+
+def _notebook_state():
+    main = vars(sys.modules["__main__"])
+    for i in range(40):
+        main[f"t{i}"] = torch.randn(64, 64)
+        main[f"model{i}"] = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        main[f"results{i}"] = [{"rank": r, "loss": torch.randn(3), "ops": ["a", "b"]} for r in range(4)]
+        exec(compile(f"def helper{i}(x):\n    return x * {i}", "/tmp/ipykernel_1/1.py", "exec"), main)
+    main["Out"] = {i: [torch.randn(2)] * 10 for i in range(100)}
+    exec(compile("def answer(*a):\n    return helper1(*a)", "/tmp/ipykernel_1/2.py", "exec"), main)
+    return main["answer"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    common.header("course.classroom.guard: refused + guarding per check")
+    answer = _notebook_state()
+    rows = []
+    for ex in (nb11.zero1_step, nb11.fully_shard_by_hand, nb11.scaled_step, nb14.merge, nb14.ring_forward,
+               nb14.zigzag_layout, nb15.dispatch_combine, nb15.ep_dp_sync, nb16.mesh_groups):
+        answers = (answer,) * len(ex.finished[:2] if ex is nb15.dispatch_combine else ex.finished[:1])
+
+        def around_the_judge():
+            assert all(guard.refused(a, ex.finished) is None for a in answers)
+            with guard.guarding(ex.finished, answers) if NEW else guard.guarding(ex.finished):
+                pass
+
+        wall = common.timed(around_the_judge, args.repeats, warmup=3)
+        cpu = common.timed(around_the_judge, args.repeats, clock=time.process_time)
+        rows.append((f"nb{ex.notebook} {ex.__name__}", len(ex.finished),
+                     f"{common.median(wall) * 1e3:.2f}", f"{common.median(cpu) * 1e3:.2f}"))
+    common.table(["exercise", "finished versions", "wall ms", "CPU ms"], rows)
+
+
+if __name__ == "__main__":
+    main()

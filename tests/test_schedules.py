@@ -1,0 +1,142 @@
+"""course.parallel.schedules (notebook 16): the simulator checks and times tables, the generators meet
+their laws, run_schedule gives one process's gradients, torch's tables read the same, and notebook 16
+shows the package's generators."""
+
+import inspect
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.notebooks import SOLUTIONS, definitions
+from course.parallel import schedules as cs
+from course.parallel.pipeline import Deadlock, make_batch, make_model, split
+from course.runtime.launcher import launch
+
+# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+pytestmark = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+)
+NOTEBOOK = SOLUTIONS / "16_pipeline_schedules.ipynb"
+
+
+def test_the_notebook_derives_the_package_generators():
+    derived = definitions(NOTEBOOK)
+    for fn in (cs.interleaved_1f1b, cs.zb_h1):
+        assert derived[fn.__name__] == inspect.getsource(fn).rstrip(), fn.__name__
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (2, 5), (3, 3), (3, 7), (4, 8), (5, 6), (6, 13)])
+def test_every_generator_meets_its_law_in_the_simulator(p, m):
+    for name, make in cs.SCHEDULES.items():
+        for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            table = make(p, m, v) if name == "interleaved" else make(p, m)
+            timeline = cs.simulate(table, p, m, v)
+            assert timeline.bubble == pytest.approx(cs.bubble_fraction(name, p, m, v), abs=1e-12), (name, v)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 2), (4, 3)])
+def test_with_fewer_micro_batches_than_stages_the_tables_still_run(p, m):
+    for v in (1, 2):
+        assert cs.simulate(cs.interleaved_1f1b(p, m, v), p, m, v).peak[0] <= m * v
+    assert max(cs.simulate(cs.zb_h1(p, m), p, m, 1).peak) <= m
+
+
+def test_memory_zb_h1_every_rank_p_1f1b_p_minus_r():
+    assert cs.simulate(cs.zb_h1(4, 8), 4, 8, 1).peak == [4, 4, 4, 4]
+    assert cs.simulate(cs.one_f_one_b_table(4, 8), 4, 8, 1).peak == [4, 3, 2, 1]
+    assert cs.simulate(cs.gpipe_table(4, 8), 4, 8, 1).peak == [8, 8, 8, 8]
+
+
+def test_the_simulator_refuses_broken_tables():
+    table = cs.zb_h1(2, 2)
+    with pytest.raises(cs.ScheduleError, match="missing"):
+        cs.simulate(table[:-1], 2, 2, 1)
+    w_first = [r._replace(slot=-1) if (r.rank, r.op, r.mb) == (1, "W", 0) else r for r in table]
+    with pytest.raises(cs.ScheduleError, match="before its B"):
+        cs.simulate(w_first, 2, 2, 1)
+    with pytest.raises(cs.ScheduleError, match="op must be"):
+        cs.simulate([*table[:-1], table[-1]._replace(op="X")], 2, 2, 1)
+    # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1, rank 1 wants micro-batch 1 first
+    deadlock = cs.from_orders([[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+                               [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]])
+    with pytest.raises(Deadlock, match="rank 0 waits at B0"):
+        cs.simulate(deadlock, 2, 2, 1)
+
+
+def test_bubble_fraction_names_its_schedules():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        cs.bubble_fraction("dualpipe", 4, 8)
+    assert cs.LLAMA3_405B["pp"] == 16
+
+
+def _fake(p, m, v):
+    rounds = max(1, m // p)
+    return types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                                 microbatches_per_round=m // rounds)
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 4)])
+def test_torchs_interleaved_table_is_ours(p, m, v):
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    order = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(_fake(p, m, v), r) for r in range(p)}
+    assert cs.orders_of(cs.from_torch(order, p), p) == cs.orders_of(cs.interleaved_1f1b(p, m, v), p)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 5)])
+def test_torchs_zero_bubble_with_one_stage_per_rank_is_zb_h1(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    order = {r: ScheduleInterleavedZeroBubble._calculate_single_rank_operations(_fake(p, m, 1), r) for r in range(p)}
+    assert cs.orders_of(cs.from_torch(order, p), p) == cs.orders_of(cs.zb_h1(p, m), p)
+
+
+WIDTH, DEPTH, ROWS = 16, 12, 24
+
+
+def _run(rank, p, table, v, m, layout):
+    stages = split(make_model(WIDTH, DEPTH), p * v)
+    chunks = [stages[cs.stage_of(rank, c, p, layout)] for c in range(v)]
+    x, y = make_batch(ROWS, WIDTH)
+    log = cs.run_schedule(chunks, cs.orders_of(table, p)[rank], list(x.chunk(m)), list(y.chunk(m)), layout)
+    return [a[:3] for a in log], [q.grad for c in chunks for q in c.parameters()]
+
+
+@pytest.mark.parametrize(
+    "name, p, m, v, layout",
+    [("gpipe", 2, 4, 1, "loop"), ("1f1b", 3, 4, 1, "loop"), ("interleaved", 2, 3, 2, "loop"),
+     ("interleaved", 3, 4, 2, "loop"), ("zb-h1", 3, 4, 1, "loop"), ("zb-h1", 2, 6, 1, "loop"),
+     ("1f1b-v", 2, 4, 2, "v")],
+)
+def test_run_schedule_gives_one_process_gradients(name, p, m, v, layout):
+    if name == "1f1b-v":  # the V placement: rank 0 holds the first and the last stage (no message between
+        # stages 1 and 2, which rank 1 holds both): every forward, then every backward, per rank
+        orders = [[("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in (1, 0) for i in range(m)]
+                  for _ in range(p)]
+        table = cs.from_orders(orders)
+    else:
+        table = cs.SCHEDULES[name](p, m, v) if name == "interleaved" else cs.SCHEDULES[name](p, m)
+    cs.simulate(table, p, m, v, layout)
+    results = launch(_run, p, table, v, m, layout, show=None, timeout=60)
+    model = make_model(WIDTH, DEPTH)
+    x, y = make_batch(ROWS, WIDTH)
+    nn.functional.mse_loss(model(x), y).backward()
+    stages = split(model, p * v)
+    for r, (order, grads) in enumerate(results):
+        assert order == cs.orders_of(table, p)[r]
+        expected = [q.grad for c in range(v) for q in stages[cs.stage_of(r, c, p, layout)].parameters()]
+        assert len(grads) == len(expected)
+        assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(grads, expected))
+
+
+def test_a_table_that_skips_a_w_leaves_a_gradient_out():
+    table = [r for r in cs.zb_h1(2, 2) if not (r.rank == 0 and r.op == "W" and r.mb == 1)]
+    results = launch(_run, 2, table, 1, 2, "loop", show=None, timeout=60)
+    model = make_model(WIDTH, DEPTH)
+    x, y = make_batch(ROWS, WIDTH)
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = [q.grad for q in split(model, 2)[0].parameters()]
+    assert not all(torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(results[0][1], expected))
