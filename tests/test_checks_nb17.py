@@ -1,9 +1,12 @@
-"""Notebook 17's checks reject plausible wrong answers with a useful hint."""
+"""The capstone's checks reject plausible wrong answers with a useful hint."""
 
 import pytest
 
 from course.checks import nb17
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
+import math
+
+from course.parallel import planner
 from course.parallel.planner import LLAMA3_8B, Config
 
 # course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
@@ -47,6 +50,11 @@ def _strided_pp(dp, pp, tp):  # pp groups stride by 1 instead of tp
     return g
 
 
+def _table(dp, pp, tp):  # the six listed shapes' answers, copied out; anything else made up
+    known = {shape: _grid(*shape) for shape in nb17.SHAPES}
+    return known.get((dp, pp, tp), _grid(1, 1, dp * pp * tp))
+
+
 def _only_mine(dp, pp, tp):  # rank 0's groups only
     g = _grid(dp, pp, tp)
     return {dim: groups[:1] for dim, groups in g.items()}
@@ -63,6 +71,7 @@ def test_mesh_groups_accepts_a_solution_in_any_order():
     [
         (_tp_slowest, "tp varies fastest"),
         (_hard_coded, "(1, 2, 4)"),
+        (_table, "for (dp, pp, tp) = ("),
         (_swapped, "your tp groups are the dp groups"),
         (_strided_pp, "pp groups should be"),
         (_only_mine, "cover every rank exactly once"),
@@ -76,28 +85,34 @@ def test_mesh_groups_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
+def _state(params, zero, dp):  # the solution, written independently of the check
+    return (2 / (dp if zero == 3 else 1) + 2 / (dp if zero >= 2 else 1) + 12 / (dp if zero else 1)) * params / 1e9
+
+
 def test_state_gb_accepts_the_answer():
-    assert nb17.state_gb((2 + 2 + 12 / 8) * LLAMA3_8B.params() / 1e9).status == "correct"
+    assert nb17.state_gb(_state).status == "correct"
 
 
-P = LLAMA3_8B.params()
+def _via_planner(params, zero, dp):  # the planner's own memory() for a model of that size
+    model = planner.Model("x", layers=1, hidden=1, ffn=1, heads=1, kv_heads=1, vocab=1)
+    used = planner.memory(model, Config(dp=dp, zero=zero), 1, dp)
+    return (used["parameters"] + used["gradients"] + used["optimizer"]) / model.params() * params / 1e9
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (16 * P / 8 / 1e9, "ZeRO-3"),
-        (16 * P / 1e9, "one whole copy"),
-        ((2 + 12 / 8) * P / 1e9, "count both"),
-        (4 * P / 1e9, "count both"),
-        ((2 + 2 + 8 / 8) * P / 1e9, "fp32 master weights"),
-        ((2 + 2 + 12 / 8) * P / 2**30, "GiB"),
-        ((2 + 4 + 12 / 8) * P / 1e9, "fp32 gradients"),
-        (float("inf"), "answer with a number"),
-        (float("nan"), "answer with a number"),
-        (12.0, "see the hint"),
-        ("44", "answer with a number"),
-        (True, "answer with a number"),
+        (lambda p, z, dp: 16 * p / dp / 1e9, "Each ZeRO stage shards a different part"),
+        (lambda p, z, dp: 16 * p / 1e9, "Each ZeRO stage shards a different part"),
+        (lambda p, z, dp: _state(p, z, dp) * 1e9 / 2**30, "GiB"),
+        (lambda p, z, dp: _state(p, z, dp) + 2 * p / (dp if z >= 2 else 1) / 1e9, "fp32 gradients"),
+        (lambda p, z, dp: _state(p, z, dp) - 4 * p / (dp if z else 1) / 1e9, "master weights"),
+        (lambda p, z, dp: _state(p, min(z + 1, 3), dp), "another ZeRO stage"),
+        (lambda p, z, dp: _state(p, 1, 8) if (p, z, dp) == (LLAMA3_8B.params(), 1, 8) else 0.0, "See the hint"),
+        (lambda p, z, dp: "44", "return a number"),
+        (lambda p, z, dp: math.nan, "return a number"),
+        (lambda p, z, dp: 1 / 0, "ZeroDivisionError"),
+        (_via_planner, "course's own"),
     ],
 )
 def test_state_gb_rejects_wrong_answers(answer, hint):
@@ -105,28 +120,52 @@ def test_state_gb_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_configuration_accepts_near_best_configurations():
-    assert nb17.configuration(Config(dp=8, tp=8, pp=1, zero=3)).status == "correct"
-    assert nb17.configuration(Config(dp=8, tp=8, pp=1, zero=2)).status == "correct"
-    assert nb17.configuration(Config(dp=4, tp=8, pp=2, zero=3)).status == "correct"  # 0.7% slower: accepted
+def _activations(model, config, seq, batch, stage, c):  # the solution, written independently of the check
+    split = (config.tp if config.sp else 1) * config.cp
+    m = max(1, batch // (config.dp * config.micro_batch))
+    return c * seq * config.micro_batch * model.hidden / split * planner.stage_layers(model, config.pp, stage) * min(
+        config.pp - stage, m)
+
+
+def test_activation_bytes_accepts_the_answer():
+    assert nb17.activation_bytes(_activations).status == "correct"
+
+
+def _tweak(**change):  # the solution with one mistake
+    def answer(model, config, seq, batch, stage, c):
+        m = max(1, batch // (config.dp * config.micro_batch))
+        split = change.get("split", lambda c_: (c_.tp if c_.sp else 1) * c_.cp)(config)
+        held = change.get("held", lambda p, s, m_: min(p - s, m_))(config.pp, stage, m)
+        layers = change.get("layers", lambda mo, p, s: planner.stage_layers(mo, p, s))(model, config.pp, stage)
+        return c * seq * config.micro_batch * model.hidden / split * layers * held
+    return answer
+
+
+def _memory_less_logits(model, config, seq, batch, stage, c):  # the planner's own memory(), logits taken off
+    used = planner.memory(model, config, seq, batch, stage=stage)["activations"]
+    return used * c / planner.activation_coefficient(model)
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (Config(dp=64, zero=0), "more than the 72 GB"),  # plain DDP: 1.1 TB of state per GPU
-        (Config(dp=64, zero=3), "more than the 72 GB"),  # sharded state, but 80 layers of activations
-        (Config(dp=4, tp=4, pp=4, zero=2), "more than the 72 GB"),  # fits only with a GPT block's activations
-        (Config(dp=4, tp=16, zero=1), "spans nodes"),
-        (Config(dp=8, tp=4, pp=4, zero=1), "must use all 64 GPUs"),
-        (Config(dp=4, tp=2, pp=8, zero=1, micro_batch=3), "split over"),  # 512 sequences over 4 x 3
-        (Config(dp=64, zero=3, recompute=True), "the best configuration takes"),  # fits, slower
-        (Config(dp=8, tp=8, zero=3, recompute=True), "the best configuration takes"),  # needless recomputation
-        ((4, 4, 4), "answer with a Config"),
+        (_tweak(split=lambda c_: c_.tp * c_.cp), "only then"),  # split over tp without SP too
+        (_tweak(split=lambda c_: c_.cp), "only then"),  # never split over tp
+        (_tweak(split=lambda c_: c_.tp if c_.sp else 1), "context parallelism"),
+        (_tweak(held=lambda p, s, m: m), "GPipe"),
+        (_tweak(held=lambda p, s, m: p - s), "more micro-batches than the step has"),  # forgets that the step may have fewer micro-batches
+        (_tweak(held=lambda p, s, m: min(p, m)), "the later stages"),
+        (_tweak(layers=lambda mo, p, s: mo.layers // p), "stage_layers"),
+        (lambda *args: 0.0, "See the hint"),
+        (lambda *args: "1e9", "return a number"),
+        (lambda model, config, *args: 1 / 0, "ZeroDivisionError"),
+        (_memory_less_logits, "course's own"),
+        (lambda model, config, seq, batch, stage, c: c * planner.in_flight("1f1b", config.pp, max(
+            1, batch // (config.dp * config.micro_batch)), stage) * seq * config.micro_batch * model.hidden, "course's own"),
     ],
 )
-def test_configuration_rejects_wrong_answers(answer, hint):
-    feedback = nb17.configuration(answer)
+def test_activation_bytes_rejects_wrong_answers(answer, hint):
+    feedback = nb17.activation_bytes(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 

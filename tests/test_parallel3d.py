@@ -2,6 +2,8 @@
 mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what course.parallel.planner's
 laws plus gloo's per-message headers predict, and notebook 17 shows the package's code."""
 
+import dataclasses
+import functools
 import inspect
 
 import pytest
@@ -35,6 +37,23 @@ def test_3d_training_equals_one_process_and_sends_what_the_laws_and_headers_say(
         law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
         headers = {"tp": 4 * (TINY.layers // pp) * m * 2 * (tp - 1) * MESSAGE,
                    "pp": m * (SEND + RECV) if pp > 1 else 0, "dp": 2 * (dp - 1) * MESSAGE}
+        assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
+
+
+def test_pipeline_of_4_stages_sends_one_way_at_the_ends_and_both_ways_in_the_middle(monkeypatch):
+    # TinyLM with 4 blocks on dp x pp x tp = 2 x 4 x 1 (fork: the ranks see the patched module)
+    monkeypatch.setattr(parallel3d, "TinyLM", functools.partial(parallel3d.TinyLM, layers=4))
+    deep = dataclasses.replace(TINY, layers=4)
+    m, steps = 2, 2
+    results = launch(parallel3d.train, 8, 2, 4, 1, show=None)
+    assert [r["sent"]["pp"] for r in results[:4]] == [4672, 9344, 9344, 4672]  # measured on the sockets
+    for rank, r in enumerate(results):
+        assert r["diff"] < 1e-6
+        stage = parallel3d.coordinates(rank, 2, 4, 1)[1]
+        config = planner.Config(dp=2, pp=4, tp=1, zero=0, micro_batch=parallel3d.BATCH // (2 * m), sp=False)
+        law = planner.traffic(deep, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
+        message = parallel3d.SEQ * config.micro_batch * deep.hidden * 4
+        headers = {"tp": 0, "pp": law["pp"] / message * (SEND + RECV), "dp": 2 * (2 - 1) * MESSAGE}
         assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
 
 
@@ -95,7 +114,9 @@ def test_planner_memory_follows_zero_stages():
     p = model.params()
     assert used[0]["optimizer"] == 12 * p and used[1]["optimizer"] == 12 * p / 8
     assert used[1]["gradients"] == 2 * p and used[2]["gradients"] == 2 * p / 8
-    assert used[2]["parameters"] == 2 * p and used[3]["parameters"] == 2 * p / 8 + 2 * 2 * model.layer_params()  # + two whole layers
+    assert used[2]["parameters"] == 2 * p and used[3]["parameters"] == pytest.approx(
+        2 * p / 8 + 3 * 2 * model.layer_params() + 2 * (2 * model.vocab * model.hidden + model.hidden) * 7 / 8)
+    # + three whole layers, and the embedding, output layer and final norm whole (FSDP2's root module)
 
 
 @pytest.mark.parametrize("name", ["mesh_groups", "shard_like", "pipeline_step", "average_gradients", "make_groups", "train"])

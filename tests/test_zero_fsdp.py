@@ -1,6 +1,7 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3 by hand, FSDP2, bytes per rank (at rest and at the peak) and sharded
 checkpoints (notebook 11), on gloo/CPU."""
 
+import contextlib
 import copy
 import inspect
 import math
@@ -540,3 +541,17 @@ def _unit_returning_a_tuple(rank, world_size):
 def test_a_unit_that_returns_a_tuple_gets_a_clear_error():
     for message in launch(_unit_returning_a_tuple, 2, show=None):
         assert "a unit must return one tensor" in message
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_saved_activation_bytes_counts_each_storage_once_real_or_fake(fake):
+    # Linear keeps its input x (4 x 8 fp32, 128 bytes), ReLU its output (128 bytes); a view of x counts once.
+    # Fake tensors all have data_ptr() 0: they must still count as two storages, not one.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        layer = torch.nn.Linear(8, 8, bias=False)
+        x = torch.randn(4, 8, requires_grad=True)
+        saved, _ = course.observe.memory.saved_activation_bytes(
+            lambda x: torch.relu(layer(x)) + x.view(8, 4).t().sum(), layer, x)
+    assert saved == 2 * 4 * 8 * 4

@@ -1,13 +1,13 @@
-"""Checks for notebook 17 (putting it together: 3-D parallelism, choosing a configuration)."""
-
-import numbers
+"""Checks for the capstone (notebook 17) (putting it together: 3-D parallelism, choosing a configuration)."""
 
 import math
+import numbers
+import random
 
 from course.classroom import guard
 from course.classroom.exercises import correct, exercise, wrong
 from course.parallel.parallel3d import mesh_groups as reference_groups
-from course.parallel.planner import LLAMA3_8B, LLAMA3_70B, Cluster, Config, candidates, fits, memory, step_time, valid
+from course.parallel.planner import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Config, micro_batches, splits, stage_layers
 
 # ------------------------------------------------------------------ Exercise 1
 
@@ -28,7 +28,9 @@ def _canonical(answer):
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
-    for shape in SHAPES:
+    while (drawn := (random.randint(1, 4), random.randint(1, 4), random.randint(1, 4))) in SHAPES:
+        pass  # one more shape, fresh each time: a table of the listed shapes' answers fails it
+    for shape in [*SHAPES, drawn]:
         try:
             answer = fn(*shape)
         except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
@@ -53,87 +55,144 @@ def mesh_groups(fn):
                     return wrong("your tp groups are the dp groups: tp varies fastest (neighbouring ranks, one node), "
                                  "dp slowest.")
                 return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups should be {expected[dim]}, not {groups}.")
-    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes, from 1 x 1 x 1 to 4 x 2 x 1: "
-                   "the same lists DeviceMesh made on 8 ranks above.")
-
-
-# ------------------------------------------------------------------ Exercise 3
-
-MODEL2, CLUSTER2, BATCH2, SEQ2 = LLAMA3_70B, Cluster(64), 512, 8192
-WITHIN = 1.05  # the answer's step time may be 5% above the best configuration's
-
-
-@exercise(
-    "Exercise 3 (a configuration for Llama-3 70B on 64 GPUs)",
-    hint="start from what must fit: 16 bytes per parameter is 1.1 TB, so the state must be split at least 16 "
-    "ways (tp x pp, and ZeRO over dp); then the activations of 80 layers of 8192 tokens, which only TP (with "
-    "sequence parallelism), PP or recomputation shrink. Keep TP inside a node (<= 8), and look at "
-    "memory(...) and step_time(...) of your candidates.",
-)
-def configuration(config):
-    """Exercise 3: a Config for Llama-3 70B on 64 H100s (8 per node), 512 sequences of 8192 tokens per step."""
-    if not isinstance(config, Config):  # Config itself refuses sizes < 1 and ZeRO stages other than 0-3
-        return wrong("answer with a Config(dp=..., tp=..., pp=..., zero=..., micro_batch=..., recompute=...).")
-    if config.gpus != CLUSTER2.gpus:
-        return wrong(f"dp x tp x pp x cp = {config.gpus}: it must use all {CLUSTER2.gpus} GPUs.")
-    if config.tp > CLUSTER2.per_node:
-        return wrong(f"tp = {config.tp} spans nodes: TP talks in every layer and needs NVLink, {CLUSTER2.per_node} "
-                     "GPUs per node.")
-    if not valid(MODEL2, CLUSTER2, config, BATCH2):
-        return wrong(f"{MODEL2.heads} heads ({MODEL2.kv_heads} K/V heads) must split over tp, {MODEL2.layers} layers "
-                     f"over pp, and the {BATCH2} sequences over dp x micro_batch.")
-    used = memory(MODEL2, config, SEQ2, BATCH2)
-    if not fits(MODEL2, CLUSTER2, config, SEQ2, BATCH2):
-        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in used.items())
-        return wrong(f"it needs {sum(used.values()) / 1e9:.0f} GB per GPU ({parts} GB): more than the "
-                     f"{CLUSTER2.usable * CLUSTER2.memory / 1e9:.0f} GB of 80 the model lets a configuration fill.")
-    best = candidates(MODEL2, CLUSTER2, BATCH2, SEQ2)[0]
-    time, best_time = (step_time(MODEL2, CLUSTER2, c, SEQ2, BATCH2) for c in (config, best))
-    if time["total"] > WITHIN * best_time["total"]:
-        slow = max((k for k in time if k != "total"), key=lambda k: time[k] - best_time[k])
-        return wrong(f"it fits ({sum(used.values()) / 1e9:.0f} GB), but the model gives {time['total']:.1f} s per step "
-                     f"where the best configuration takes {best_time['total']:.1f} s; most of the extra time is "
-                     f"'{slow}' ({time[slow]:.1f} s vs {best_time[slow]:.1f} s).")
-    return correct(f"{sum(used.values()) / 1e9:.0f} GB per GPU and {time['total']:.1f} s per step by the model, within "
-                   f"{100 * (WITHIN - 1):.0f}% of the best it finds ({best_time['total']:.1f} s).")
+    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes, from 1 x 1 x 1 to 4 x 2 x 1, and one "
+                   "drawn at random: the lists DeviceMesh makes on 8 ranks below.")
 
 
 # ------------------------------------------------------------------ Exercise 2
-
-CONFIG3 = Config(dp=8, zero=1)
 
 
 def _is_number(answer):
     return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
 
 
+def reference_state_gb(params, zero, dp):
+    """bf16 weights (2 bytes) and gradients (2) and fp32 master weights + Adam (12) per parameter, each
+    split over the ``dp`` ranks from the ZeRO stage that shards it on."""
+    return (2 / (dp if zero >= 3 else 1) + 2 / (dp if zero >= 2 else 1) + 12 / (dp if zero >= 1 else 1)) * params / 1e9
+
+
 @exercise(
     "Exercise 2 (where the memory goes)",
-    hint="per parameter: bf16 weights (2 bytes) and bf16 gradients (2 bytes) on every rank, fp32 master weights "
-    "and Adam's two moments (12 bytes) split over the 8 data-parallel ranks by ZeRO-1.",
+    hint="per parameter: bf16 weights (2 bytes), bf16 gradients (2 bytes), fp32 master weights and Adam's two "
+    "moments (12 bytes). ZeRO-1 splits the 12 over the dp ranks, ZeRO-2 the gradients too, ZeRO-3 also the weights.",
+    finished=("course.parallel.planner.memory",),
 )
-def state_gb(answer):
-    """Exercise 2: GB per GPU of parameters + gradients + optimizer state, Llama-3 8B, Config(dp=8, zero=1)."""
-    if not _is_number(answer) or not math.isfinite(answer):
-        return wrong("answer with a number of gigabytes (1 GB = 1e9 bytes).")
-    p = LLAMA3_8B.params()
-    parts = memory(LLAMA3_8B, CONFIG3, 8192, 512)
-    expected = (parts["parameters"] + parts["gradients"] + parts["optimizer"]) / 1e9
-    close = lambda value: abs(answer - value) <= 0.01 * value  # noqa: E731
-    if close(expected):
-        return correct(f"(2 + 2 + 12/8) bytes x {p / 1e9:.2f}e9 parameters = {expected:.1f} GB: the activations "
-                       "must fit in what is left.")
-    if close(16 * p / 8 / 1e9):
-        return wrong("that splits everything over the 8 ranks (ZeRO-3). ZeRO-1 splits only the optimizer state.")
-    if close(16 * p / 1e9):
-        return wrong("that is one whole copy of everything: ZeRO-1 splits the optimizer state over the 8 ranks.")
-    if close((2 + 12 / 8) * p / 1e9) or close((2 + 2) * p / 1e9):
-        return wrong("count both the bf16 weights and the bf16 gradients, and the sharded fp32 master weights + Adam.")
-    if close((2 + 4 + 12 / 8) * p / 1e9):
-        return wrong("that counts fp32 gradients (as frameworks that accumulate in fp32 do): here the gradients "
-                     "are bf16, 2 bytes, as the exercise says.")
-    if close((2 + 2 + 8 / 8) * p / 1e9):
-        return wrong("the optimizer state also holds fp32 master weights (4 bytes), beside Adam's two moments (8).")
-    if abs(answer - expected * 1e9 / 2**30) <= 0.01 * answer:
-        return wrong("that is in GiB (2**30 bytes): answer in GB, 1e9 bytes.")
-    return wrong("not the bytes of ZeRO-1 state per GPU: see the hint.")
+def state_gb(fn):
+    """Exercise 2: ``fn(params, zero, dp)`` -> GB per GPU of weights + gradients + optimizer state."""
+    rng = random.Random()
+    cases = [(LLAMA3_8B.params(), 1, 8), (LLAMA3_70B.params(), 3, 64), (1_000_000, 0, 4), (1_000_000, 2, 4)]
+    cases += [(rng.randrange(10**6, 10**12), rng.randint(0, 3), rng.randint(2, 4096)) for _ in range(20)]
+    for params, zero, dp in cases:
+        try:
+            answer = fn(params, zero, dp)
+        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
+            return wrong(f"state_gb({params}, {zero}, {dp}) raised {type(e).__name__}: {e}")
+        if not _is_number(answer) or not math.isfinite(answer):
+            return wrong(f"state_gb({params}, {zero}, {dp}) returned {answer!r}: return a number of gigabytes "
+                         "(1 GB = 1e9 bytes).")
+        expected = reference_state_gb(params, zero, dp)
+        if abs(answer - expected) <= 1e-6 * expected:
+            continue
+        close = lambda value: abs(answer - value) <= 1e-6 * value  # noqa: E731
+        where = f"for {params:,} parameters, ZeRO-{zero}, dp = {dp}: {answer:.4g} GB, expected {expected:.4g}. "
+        if close(expected * 1e9 / 2**30):
+            return wrong(where + "That is in GiB (2**30 bytes): answer in GB, 1e9 bytes.")
+        if close(16 * params / dp / 1e9) or close(16 * params / 1e9):
+            return wrong(where + "Each ZeRO stage shards a different part: 1 the optimizer state, 2 + the gradients, "
+                         "3 + the weights.")
+        if close(reference_state_gb(params, zero, dp) + 2 * params / (dp if zero >= 2 else 1) / 1e9):
+            return wrong(where + "That counts fp32 gradients: here they are bf16, 2 bytes.")
+        if close(reference_state_gb(params, zero, dp) - 4 * params / (dp if zero >= 1 else 1) / 1e9):
+            return wrong(where + "The optimizer state also holds fp32 master weights (4 bytes) beside Adam's moments.")
+        if close(reference_state_gb(params, min(zero + 1, 3), dp)) or close(reference_state_gb(params, zero - 1, dp)):
+            return wrong(where + "That is another ZeRO stage's split: count which of the three parts stage "
+                         f"{zero} shards.")
+        return wrong(where + "See the hint.")
+    return correct(f"{len(cases)} cases, 20 of them drawn at random; Llama-3 8B with ZeRO-1 on 8 GPUs: "
+                   f"{reference_state_gb(LLAMA3_8B.params(), 1, 8):.1f} GB before a single activation.")
+
+
+# ------------------------------------------------------------------ Exercise 3
+
+
+def reference_activations(model, config, seq, global_batch, stage, c):
+    """The layers' activations on pipeline stage ``stage`` under 1F1B, without recomputation."""
+    per_layer = c * seq * config.micro_batch * model.hidden / ((config.tp if config.sp else 1) * config.cp)
+    held = min(config.pp - stage, micro_batches(config, global_batch))
+    return per_layer * stage_layers(model, config.pp, stage) * held
+
+
+def _random_case(rng):
+    model = rng.choice([LLAMA3_8B, LLAMA3_70B, LLAMA3_405B])
+    pp = rng.choice([p for p in (1, 2, 4, 8, 16) if splits(model, p)])
+    tp, cp, b = rng.choice([1, 2, 4, 8]), rng.choice([1, 2]), rng.choice([1, 2])
+    dp = rng.choice([1, 2, 4, 8])
+    config = Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=b, sp=rng.random() < 0.7)
+    global_batch = dp * b * rng.choice([1, 2, 3, pp, 2 * pp, 3 * pp])  # fewer micro-batches than stages, or more
+    return model, config, rng.choice([2048, 4096, 8192]), global_batch, rng.randrange(pp), rng.uniform(2, 60)
+
+
+CASES3 = [  # (model, config, seq, global batch, stage, c): hand cases
+    (LLAMA3_8B, Config(dp=8), 8192, 512, 0, 41.0),  # one GPU's 32 layers, one micro-batch
+    (LLAMA3_70B, Config(dp=2, tp=4, pp=4), 8192, 512, 0, 41.0),  # the first stage holds 4 micro-batches
+    (LLAMA3_70B, Config(dp=2, tp=4, pp=4), 8192, 512, 3, 41.0),  # the last holds 1
+    (LLAMA3_70B, Config(dp=4, tp=4, pp=4, sp=False), 8192, 8, 0, 41.0),  # 2 micro-batches in all; no SP
+    (LLAMA3_405B, Config(dp=8, tp=8, pp=16, cp=2), 8192, 256, 1, 15.5),  # 126 layers: stage 1 has 8
+]
+
+
+def _mistakes(model, config, seq, global_batch, stage, c):
+    """What plausible wrong versions of the activation term give, each with what to say."""
+    m, layers = micro_batches(config, global_batch), stage_layers(model, config.pp, stage)
+    right = reference_activations(model, config, seq, global_batch, stage, c)
+    held = min(config.pp - stage, m)
+    return [
+        (right / config.tp if not config.sp else right * config.tp, "split over tp with sequence parallelism, and "
+         "only then."),
+        (right * config.cp, "context parallelism gives each rank 1/cp of every sequence's tokens."),
+        (right / held * m, "that holds every micro-batch (GPipe); under 1F1B stage p holds pp - p of them."),
+        (right / held * (config.pp - stage), "a stage cannot hold more micro-batches than the step has "
+         "(micro_batches(config, global_batch))."),
+        (right / held * min(config.pp, m), "the later stages start their backwards sooner: stage p holds pp - p "
+         "micro-batches."),
+        (right / layers * (model.layers // config.pp), "with uneven stages (layers % pp != 0) use "
+         "stage_layers(model, pp, stage)."),
+    ]
+
+
+@exercise(
+    "Exercise 3 (the activation term)",
+    hint="one layer, one micro-batch: c x seq x micro_batch x hidden bytes, split over tp only with sequence "
+    "parallelism (config.sp) and over cp. A stage holds stage_layers(model, pp, stage) layers; under 1F1B stage p "
+    "has started pp - p micro-batches before its first backward, but never more than the step has "
+    "(micro_batches(config, global_batch)).",
+    finished=("course.parallel.planner.memory", "course.parallel.planner.in_flight"),
+)
+def activation_bytes(fn):
+    """Exercise 3: ``fn(model, config, seq, global_batch, stage, c)`` -> bytes of the layers' activations that
+    pipeline stage ``stage`` holds at its peak under 1F1B, without recomputation (no logits)."""
+    rng = random.Random()
+    cases = CASES3 + [_random_case(rng) for _ in range(40)]
+    answers = []
+    for model, config, seq, batch, stage, c in cases:
+        try:
+            answer = fn(model, config, seq, batch, stage, c)
+        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
+            return wrong(f"on {model.name}, {config}, stage {stage}: {type(e).__name__}: {e}")
+        if not _is_number(answer) or not math.isfinite(answer):
+            return wrong(f"return a number of bytes, not {answer!r}.")
+        answers.append(answer)
+    same = lambda a, b: abs(a - b) <= 1e-9 * abs(b)  # noqa: E731
+    wrong_at = [i for i, (case, a) in enumerate(zip(cases, answers)) if not same(a, reference_activations(*case))]
+    if not wrong_at:
+        return correct(f"{len(CASES3)} hand cases and 40 drawn at random (8B to 405B, uneven stages, SP on and off, "
+                       "CP, fewer micro-batches than stages): the memory model's activation term.")
+    model, config, seq, batch, stage, c = cases[wrong_at[0]]
+    where = (f"{model.name}, dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} b={config.micro_batch} "
+             f"sp={config.sp}, {batch} sequences of {seq}, stage {stage}, c = {c:.3g}: ")
+    for k, (_, why) in enumerate(_mistakes(*cases[wrong_at[0]])):  # the mistake that explains every wrong answer
+        if all(same(answers[i], _mistakes(*cases[i])[k][0]) for i in wrong_at):
+            return wrong(where + why)
+    expected = reference_activations(*cases[wrong_at[0]])
+    return wrong(where + f"{answers[wrong_at[0]]:.4g} bytes, expected {expected:.4g}. See the hint.")

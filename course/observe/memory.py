@@ -45,13 +45,13 @@ def bytes_per_rank(model, optimizer) -> dict:
 
 def saved_activation_bytes(forward, model, x):
     """Bytes of the tensors autograd saves for backward while running forward(x), weights excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
     saved = {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        storage = t.untyped_storage()  # _cdata: which storage it is (a fake tensor's data_ptr() is always 0)
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

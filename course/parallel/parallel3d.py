@@ -73,6 +73,9 @@ def mesh_groups(dp, pp, tp):
     }
 
 
+grid_groups = mesh_groups  # the name the code below calls it by, so a notebook's own mesh_groups stays its own
+
+
 def shard_like(model: TinyLM, p, pp, tp_group) -> nn.Sequential:
     """Stage ``p`` of ``pp`` of ``model``, its blocks split over ``tp_group``: this rank's part."""
     blocks = list(model)[1:-1]
@@ -135,7 +138,7 @@ def make_groups(dp, pp, tp):
     """Create every group of every dimension (each rank must create all of them, in the same
     order) and return this rank's group in each: {"dp": ..., "pp": ..., "tp": ...}."""
     rank, mine = dist.get_rank(), {}
-    for dim, lists in mesh_groups(dp, pp, tp).items():
+    for dim, lists in grid_groups(dp, pp, tp).items():
         for ranks in lists:
             group = dist.new_group(ranks)
             if rank in ranks:

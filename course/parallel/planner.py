@@ -1,8 +1,9 @@
-"""A model of memory and communication per GPU, for choosing a parallel configuration (notebook 17).
+"""A model of memory and communication per GPU, for choosing a parallel configuration (the capstone).
 
 Everything here is a **model**: formulas built from the laws notebooks 10–15 measured, with
 their assumptions written down, so they can be checked against small runs before they are
-trusted for big ones (notebook 17 does that on 8 ranks).
+trusted for big ones (the capstone does that on 8 ranks, and :func:`validation` against
+published runs of torchtitan and Llama 3).
 
 Assumptions (change them by changing the arguments):
 
@@ -11,49 +12,55 @@ Assumptions (change them by changing the arguments):
   (2 for GELU, 3 for SwiGLU); embedding and output layer ``vocab × hidden`` each (untied);
 * mixed precision as notebook 11 measured it: bf16 parameters and gradients, fp32 master
   weights and Adam's two moments: 2 + 2 + 12 = 16 bytes per parameter before sharding
-  (frameworks that accumulate or reduce gradients in fp32 hold 2 bytes more per parameter);
+  (FSDP2 with fp32 gradient reduction holds fp32 sharded weights and gradients: also 16);
 * TP splits every layer's matrices (not the norms or the row-parallel biases) and, with
   ``vocab_parallel``, the embedding and the output layer (Megatron's vocabulary-parallel
   layers, torchtitan's plan); with sequence parallelism (``Config.sp``) it also splits the
-  activations between the layers. PP gives each stage ``layers / pp`` layers, the first stage
-  also the embedding, the last the output layer; ZeRO stage 1/2/3 shards optimizer state /
-  + gradients / + parameters over the ``dp`` ranks;
+  activations between the layers. PP gives each stage ``layers / pp`` layers, or, when that
+  does not divide, the first and last stages one layer fewer than the others (Llama 3's 126
+  layers on 16 stages: 7 + 14 × 8 + 7); the first stage also holds the embedding, the last
+  the output layer. ZeRO stage 1/2/3 shards optimizer state / + gradients / + parameters over
+  the ``dp × cp`` ranks (torchtitan's FSDP mesh includes the CP dimension);
 * activations of one layer for one micro-batch of ``b`` sequences of ``s`` tokens:
-  ``c·s·b·h`` bytes, where ``c`` is **measured** (:func:`activation_coefficient`: the bytes
-  autograd saves for backward in one bf16 block of the model's shape, scaled down, on this
-  machine's kernels; 34 for Korthikanti et al.'s GPT block with dropout, about 53 for a
-  Llama block on CPU kernels), divided by ``tp`` (with sequence parallelism) and ``cp``. With
-  full recomputation a layer keeps only its input, ``2·s·b·h``, and one layer's whole
-  activations exist during its recomputation. Under 1F1B stage ``p`` holds
-  ``min(pp - p, m)`` micro-batches. The last stage also holds the logits and their gradient
-  in fp32, ``2·4·s·b·vocab`` bytes (divided by ``tp`` with ``vocab_parallel``). A fraction
-  ``1 - Cluster.usable`` of each GPU is kept free (allocator fragmentation, NCCL buffers,
-  the CUDA context: an assumption, not a measurement);
+  ``c·s·b·h`` bytes, where ``c`` is **measured** (:func:`activation_coefficient`, on the
+  target's kernels: CUDA's by default) for each recomputation policy (``Config.recompute``:
+  ``"none"``, ``"selective"`` as torchtitan's op policy, ``"full"``), divided by ``tp``
+  (with sequence parallelism) and ``cp``. With recomputation one layer's whole activations
+  exist again while it is recomputed. How many micro-batches a stage holds depends on the
+  schedule (:func:`in_flight`). The last stage also holds the logits, ``10·s·b·vocab`` bytes
+  (:data:`LOGIT_BYTES`; divided by ``tp`` with ``vocab_parallel``). ZeRO-3 holds about three
+  layers unsharded at its peak (the one computing, the one prefetched and a gradient being
+  reduce-scattered: what torch's ``FSDPMemTracker`` shows, issue 41), and the embedding and
+  output layer whole (FSDP2's root module is not resharded between forward and backward). A
+  fraction ``1 - Cluster.usable`` of each GPU is kept free (allocator fragmentation, NCCL
+  buffers, the CUDA context: an assumption, not a measurement);
 * communication per GPU and step (bytes *sent*, bandwidth-optimal ring collectives):
   TP: 4 all-reduces (or their reduce-scatter + all-gather halves) of ``s·b·h`` activations
-  per layer per micro-batch (6 with recomputation), each ``2(tp-1)/tp`` × its size;
-  PP: one activation forward and one gradient back per micro-batch per cut (a middle stage),
+  per layer per micro-batch (6 with full recomputation; selective keeps the reduce-scatters'
+  outputs), each ``2(tp-1)/tp`` × its size;
+  PP: per micro-batch and model chunk, one activation forward and one gradient back, except
+  that the first stage sends nothing back and the last nothing forward;
   ``1/tp`` of it with sequence parallelism (each TP rank sends its slice);
-  DP, with ``m`` micro-batches per step: ZeRO-0/1 all-reduce the accumulated gradients once,
-  ``2(dp-1)/dp`` × their size; ZeRO-2 keeps only a shard of the gradients, so it
-  reduce-scatters every micro-batch's (``m·(dp-1)/dp``) and all-gathers the parameters once;
-  ZeRO-3 (FSDP's default) all-gathers the parameters twice and reduce-scatters the gradients
-  for every micro-batch, ``3m(dp-1)/dp``, and holds two layers unsharded at a time (the one
-  computing and the one prefetched);
-* time: per token, ``6`` FLOPs per parameter of the matrices (the input embedding is a
-  lookup, not a matmul; 8 with full recomputation) plus causal attention's ``6·L·h·s``
-  (half of PaLM's ``12·L·h·s``), at ``mfu`` × the GPU's peak; the pipeline bubble adds
-  ``(pp-1)/m`` of that (Megatron's bubble/ideal ratio); TP and PP communication at the
-  link's bandwidth, not overlapped; DP communication overlaps with what runs beside it
-  (ZeRO-0/1: the last micro-batch's backward, when the all-reduce runs; ZeRO-2/3, which
-  communicate every micro-batch: all of forward and backward) and what does not fit adds.
+  DP (over ``dp × cp`` ranks, the ranks that hold the same weights), with ``m`` micro-batches
+  per step: ZeRO-0/1 all-reduce the accumulated gradients once, ``2(n-1)/n`` × their size;
+  ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters every micro-batch's
+  (``m·(n-1)/n``) and all-gathers the parameters once; ZeRO-3 (FSDP's default) all-gathers the
+  parameters twice and reduce-scatters the gradients for every micro-batch, ``3m(n-1)/n``;
+* time: :func:`flops_per_token` at ``mfu`` × the GPU's peak, the slowest pipeline stage setting
+  the pace; the pipeline bubble (:func:`bubble`) adds its fraction of that; each collective
+  costs its bytes at the link's bandwidth plus ``alpha`` per step of its ring (``2(n-1)``
+  steps for an all-reduce, ``n-1`` for a reduce-scatter or all-gather; one per point-to-point
+  message). TP, CP and PP communication is not overlapped; DP communication overlaps with what
+  runs beside it (ZeRO-0/1: the last micro-batch's backward; ZeRO-2/3: all of forward and
+  backward) and what does not fit adds.
 
-Left out, among much else: selective recomputation, interleaved and zero-bubble pipeline
-schedules, hybrid sharding (HSDP), overlapped TP communication, expert parallelism.
+Left out, among much else: hybrid sharding (HSDP), overlapped TP communication, expert
+parallelism, Float8, torch.compile's fusions, stragglers, and the real MFU of each shape.
 
 The numbers for a GPU (:class:`Cluster`) are parameters: the defaults are an H100 SXM node
 (989 TFLOP/s bf16 dense, 80 GB, NVLink ~450 GB/s per direction, 8 per node) on a 400 Gb/s
-network (~50 GB/s per GPU).
+network (~50 GB/s per GPU); ring-step latencies of 2 µs inside a node and 8 µs between nodes
+are assumptions of the order NCCL's own tuning model uses, not measurements.
 """
 
 from __future__ import annotations
@@ -61,6 +68,12 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+
+RECOMPUTE = ("none", "selective", "full")
+# bytes per logit at the loss's peak: the bf16 logits, their fp32 copy and the fp32 log-softmax that
+# cross-entropy saves (the gradient, fp32, later replaces the copy): torchtitan's loss on bf16 logits
+LOGIT_BYTES = 2 + 4 + 4
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,12 @@ class Model:
         bias = (h + 2 * kv + h + (self.ffn_matrices - 1) * self.ffn + h) if self.bias else 0
         return attn + mlp + bias + (2 * h if self.norms else 0)
 
+    def matrices(self) -> list:
+        """A layer's weight matrices (inputs, outputs) in the order forward multiplies by them."""
+        h, kv, f = self.hidden, self.hidden * self.kv_heads // self.heads, self.ffn
+        mlp = [(h, f)] * (self.ffn_matrices - 1) + [(f, h)]
+        return [(h, h), (h, kv), (h, kv), (h, h)] + mlp
+
     def params(self) -> int:
         h = self.hidden
         ends = self.vocab * h + self.vocab * h + (self.vocab if self.bias else 0) + (h if self.norms else 0)
@@ -92,6 +111,7 @@ class Model:
 
 LLAMA3_8B = Model("Llama-3 8B", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256)
 LLAMA3_70B = Model("Llama-3 70B", layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+LLAMA3_405B = Model("Llama-3 405B", layers=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256)
 
 
 @dataclass(frozen=True)
@@ -104,6 +124,10 @@ class Cluster:
     intra_node: float = 450e9  # bytes/s per GPU, each direction (NVLink)
     inter_node: float = 50e9  # bytes/s per GPU, each direction (the network)
     usable: float = 0.9  # the fraction of memory a configuration may fill (an assumption)
+    alpha_intra: float = 2e-6  # seconds per ring step or message inside a node (an assumption)
+    alpha_inter: float = 8e-6  # seconds per ring step or message between nodes (an assumption)
+    kernels: str = "cuda"  # whose kernels' saved tensors the activations are: "cuda" or "cpu"
+    activation_scale: float = 1.0  # multiplies the activation coefficient (to see what hangs on it)
 
 
 @dataclass(frozen=True)
@@ -114,28 +138,63 @@ class Config:
     cp: int = 1
     zero: int = 1  # 0: none, 1: optimizer state, 2: + gradients, 3: + parameters
     micro_batch: int = 1  # sequences per micro-batch
-    recompute: bool = False
+    recompute: str = "none"  # "none", "selective" (torchtitan's op policy) or "full"; True/False: full/none
     sp: bool = True  # sequence parallelism with TP: activations between layers split too
+    schedule: str = "1f1b"  # the pipeline schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
+    v: int = 1  # model chunks per pipeline rank (interleaved: v >= 2)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "micro_batch"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "v"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config: {name} must be a whole number >= 1, not {value!r}")
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"Config: zero is a ZeRO stage, 0, 1, 2 or 3, not {self.zero!r}")
+        if isinstance(self.recompute, bool):  # the old yes/no: full recomputation or none
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Config: recompute is one of {RECOMPUTE}, not {self.recompute!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Config: schedule is one of {SCHEDULES}, not {self.schedule!r}")
+        if (self.schedule == "interleaved") != (self.v > 1):
+            raise ValueError(f"Config: the interleaved schedule has v >= 2 chunks per rank, the others v = 1 "
+                             f"(schedule={self.schedule!r}, v={self.v})")
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
 
-def stage_params(model: Model, tp: int, pp: int, stage: int) -> int:
-    """Parameters one GPU of pipeline stage ``stage`` holds under ``tp``-way tensor parallelism."""
+def stage_layers(model: Model, pp: int, stage: int) -> int:
+    """Layers on pipeline stage ``stage``: ``layers / pp``, or, when ``pp`` does not divide them,
+    one fewer on the first and the last stage (as Llama 3 did: 126 layers = 7 + 14 × 8 + 7)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} of {pp}")
+    if model.layers % pp == 0:
+        return model.layers // pp
+    if pp > 2 and (model.layers + 2) % pp == 0:
+        return (model.layers + 2) // pp - (stage in (0, pp - 1))
+    raise ValueError(f"{model.layers} layers split into neither {pp} equal stages nor {pp} with shorter ends")
+
+
+def splits(model: Model, pp: int) -> bool:
+    """Can ``model``'s layers be cut into ``pp`` stages (equal, or with the ends one layer shorter)?"""
+    try:
+        stage_layers(model, pp, 0)
+    except ValueError:
+        return False
+    return True
+
+
+def stage_params(model: Model, tp: int, pp: int, stage: int, ends: bool = True) -> int:
+    """Parameters one GPU of pipeline stage ``stage`` holds under ``tp``-way tensor parallelism (with
+    ``ends=False``, those of its layers only: not the embedding, output layer and final norm)."""
     h, per_layer = model.hidden, model.layer_params()
     replicated = (2 * h if model.norms else 0) + (2 * h if model.bias else 0)  # norms, row-parallel biases
     layer = (per_layer - replicated) // tp + replicated
-    params = model.layers // pp * layer
+    params = stage_layers(model, pp, stage) * layer
+    if not ends:
+        return params
     vocab = model.vocab * h // (tp if model.vocab_parallel else 1)
     if stage == 0:
         params += vocab
@@ -144,73 +203,190 @@ def stage_params(model: Model, tp: int, pp: int, stage: int) -> int:
     return params
 
 
-@functools.lru_cache(maxsize=None)
-def activation_coefficient(model: Model, seq: int = 64, head_dim: int = 8) -> float:
-    """Bytes autograd saves for backward in one layer of ``model``, per token and per hidden
-    feature, measured on a bf16 block of the same shape scaled down (``head_dim``-wide heads,
-    the same heads, K/V heads and MLP ratio): ``saved_tensors_hooks`` see every tensor a
-    layer keeps, and each storage is counted once. On this machine's (CPU) kernels; a GPU's
-    attention kernel saves the same tensors (inputs, output, log-sum-exp)."""
+def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool):
+    """One bf16 block of ``model``'s shape with ``head_dim``-wide heads: (forward, its modules, input)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    from course.observe.memory import saved_activation_bytes
-
     h, kv = model.heads * head_dim, model.kv_heads * head_dim
     f = round(model.ffn / model.hidden * h)
-    norm = (lambda: nn.RMSNorm(h)) if model.norms else nn.Identity
-    linear = functools.partial(nn.Linear, bias=model.bias, dtype=torch.bfloat16)
-    n1, n2 = norm().to(torch.bfloat16), norm().to(torch.bfloat16)
+    make = dict(dtype=torch.bfloat16, device=device)
+    norm = (lambda: nn.RMSNorm(h, **make)) if model.norms else nn.Identity
+    linear = functools.partial(nn.Linear, bias=model.bias, **make)
+    n1, n2 = norm(), norm()
     q, k, v, o = linear(h, h), linear(h, kv), linear(h, kv), linear(h, h)
     mlp = [linear(h, f) for _ in range(model.ffn_matrices - 1)] + [linear(f, h)]
-    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, seq, h, requires_grad=True, **make)
+    group = model.heads // model.kv_heads
 
     def heads(t, n):
-        return t.view(1, seq, n, head_dim).transpose(1, 2)
+        t = t.view(1, seq, n, head_dim).transpose(1, 2)
+        return t.repeat_interleave(group, dim=1) if repeat_kv and n != model.heads else t
+
+    def attention(q_, k_, v_):
+        if device == "cpu":
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=k_.shape[1] != q_.shape[1])
+        # the fused kernel SDPA picks on an H100; SDPA itself would ask the (absent) GPU and fall back to the math path
+        return torch.ops.aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, True)[0]
 
     def block(x):
         y = n1(x)
-        a = F.scaled_dot_product_attention(heads(q(y), model.heads), heads(k(y), model.kv_heads),
-                                           heads(v(y), model.kv_heads), is_causal=True,
-                                           enable_gqa=model.kv_heads != model.heads)
+        a = attention(heads(q(y), model.heads), heads(k(y), model.kv_heads), heads(v(y), model.kv_heads))
         x = x + o(a.transpose(1, 2).reshape(1, seq, h))
         y = n2(x)
         hidden = F.silu(mlp[0](y)) * mlp[1](y) if model.ffn_matrices == 3 else F.gelu(mlp[0](y))
         return x + mlp[-1](hidden)
 
-    saved, _ = saved_activation_bytes(block, nn.ModuleList([n1, n2, q, k, v, o, *mlp]), x)  # weights excluded
-    return saved / (seq * h)
+    return block, nn.ModuleList([n1, n2, q, k, v, o, *mlp]), x
 
 
-def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None) -> dict:
-    """Bytes per GPU of pipeline stage ``stage`` (None: the fullest): {"parameters", "gradients",
-    "optimizer", "activations"}."""
-    if stage is None:
-        return max((memory(model, config, seq, global_batch, s) for s in range(config.pp)), key=lambda m: sum(m.values()))
-    c = config
-    params = stage_params(model, c.tp, c.pp, stage)
-    m = micro_batches(config, global_batch)
-    b, h = c.micro_batch, model.hidden
-    split = (c.tp if c.sp else 1) * c.cp  # how many ranks share one sequence's activations
-    layer = activation_coefficient(model) * seq * b * h / split
-    held = min(c.pp - stage, m)  # micro-batches in flight on this stage (1F1B)
-    layers = model.layers // c.pp
-    activations = (2 * seq * b * h / split * layers * held + layer) if c.recompute else layer * layers * held
-    if stage == c.pp - 1:  # the logits and their gradient, fp32
-        activations += 2 * 4 * seq * b * model.vocab / (c.tp if model.vocab_parallel else 1) / c.cp
-    gathered = 2 * 2 * model.layer_params() / c.tp if c.zero >= 3 and c.dp > 1 else 0  # two layers, whole
-    return {
-        "parameters": 2 * params / (c.dp if c.zero >= 3 else 1) + gathered,
-        "gradients": 2 * params / (c.dp if c.zero >= 2 else 1),
-        "optimizer": 12 * params / (c.dp if c.zero >= 1 else 1),
-        "activations": activations,
-    }
+def selective_policy():
+    """torchtitan's selective (op) recomputation policy (torchtitan/distributed/activation_checkpoint.py):
+    keep the outputs of compute-intensive ops (matmuls, fused attention) except every second matmul of a
+    block; recompute everything else."""
+    import torch
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            count[mode] += 1
+        if func in save and not (func in matmuls and count[mode] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@functools.lru_cache(maxsize=None)
+def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str = "none",
+                           repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None):
+    """Bytes one layer of ``model`` keeps for backward, per token and per hidden feature (its input
+    included), measured on one bf16 block of the model's shape, on ``kernels``:
+
+    * ``"cuda"`` (the planner's default): the block runs under ``FakeTensorMode`` on a fake CUDA
+      device: no GPU and no kernel run, but CUDA's autograd formulas decide what is saved. Attention
+      calls the fused flash kernel directly (SDPA would ask the absent GPU which kernels it has and
+      fall back to the math path, which saves the fp32 attention matrix); RMSNorm is CUDA's fused
+      one, which saves its bf16 input and an fp32 rstd per token (``FusedRmsNormBackward0`` keeps
+      ``input_``, ``weight_``, ``result1_``: torch/include/torch/csrc/autograd/generated/
+      Functions.h, torch 2.15). Heads have their real width (``head_dim=None``): nothing is
+      computed.
+    * ``"cpu"``: the block really runs on this machine, scaled down to 8-wide heads. CPU's RMSNorm
+      in bf16 is a composite that saves fp32 copies of its input, which is most of the difference.
+
+    ``recompute="none"``: ``saved_tensors_hooks`` see every tensor autograd keeps (each storage
+    once, weights left out). ``"selective"`` / ``"full"``: the block runs under
+    ``torch.utils.checkpoint`` (with :func:`selective_policy` / without a policy), and
+    :class:`~course.observe.memory.LiveBytes` counts the storages still alive after forward, less
+    the output. ``repeat_kv``: K and V repeated to every head before attention (torchtitan's Llama
+    in 2024) instead of grouped-query attention."""
+    import torch
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from course.observe.memory import LiveBytes, saved_activation_bytes
+
+    if kernels not in ("cuda", "cpu") or recompute not in RECOMPUTE:
+        raise ValueError(f"kernels is 'cuda' or 'cpu', recompute one of {RECOMPUTE}: "
+                         f"not {kernels!r}, {recompute!r}")
+    if kernels == "cpu" and recompute != "none":
+        raise ValueError("recomputation is measured on the cuda kernels only")
+    head_dim = head_dim or (model.hidden // model.heads if kernels == "cuda" else 8)
+    fake = None
+    if kernels == "cuda":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode()
+        fake.__enter__()
+    try:
+        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv)
+        width = seq * model.heads * head_dim
+        if recompute == "none":
+            saved, _ = saved_activation_bytes(block, modules, x)  # the input: kept by norm 1
+            return saved / width
+        kwargs = {}
+        if recompute == "selective":
+            kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(selective_policy())
+        with LiveBytes([*modules.parameters(), x]) as live:
+            before = live.now()
+            out = checkpoint(block, x, use_reentrant=False, **kwargs)
+            kept = live.now() - before - out.untyped_storage().nbytes()
+        return (kept + x.untyped_storage().nbytes()) / width  # + the input, which checkpoint keeps
+    finally:
+        if fake is not None:
+            fake.__exit__(None, None, None)
+
+
+def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """The pipeline's idle time as a fraction of its ideal compute time (a model, equal forward,
+    input-gradient and weight-gradient times). GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal
+    ratio); interleaved with ``v`` chunks per rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1:
+    Qi et al. 2023 (*Zero Bubble Pipeline Parallelism*) give the bubble as ``(p-1)(T_F + T_B - T_W)``
+    against 1F1B's ``(p-1)(T_F + T_B + T_W)``, so with ``T_F = T_B = T_W`` a third of 1F1B's:
+    ``(p-1)/(3m)``. (The lead may later route this to ``course.parallel.schedules.bubble_fraction``.)"""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule is one of {SCHEDULES}, not {schedule!r}")
+    if pp < 1 or m < 1 or v < 1:
+        raise ValueError(f"pp, m and v are >= 1, not {pp}, {m}, {v}")
+    return (pp - 1) / m / {"gpipe": 1, "1f1b": 1, "interleaved": v, "zb-h1": 3}[schedule]
+
+
+def in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> float:
+    """Micro-batches whose activations pipeline stage ``stage`` holds at its peak, in units of all its
+    layers. GPipe: all ``m`` (every forward before any backward, as the capstone's 8-rank run does);
+    1F1B and ZB-H1: ``min(p - stage, m)``; interleaved (Megatron's warm-up): ``2(p - stage - 1) +
+    (v - 1)p + 1`` chunks of ``1/v`` of the stage's layers, at most ``m·v``."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
+    return min(pp - stage, m)
 
 
 def micro_batches(config: Config, global_batch: int) -> int:
-    """Micro-batches per step on each pipeline (gradient accumulation steps without PP)."""
+    """Micro-batches per step on each pipeline (gradient accumulation steps without PP): the global
+    batch's sequences over the ``dp`` replicas, ``micro_batch`` at a time."""
     return max(1, global_batch // (config.dp * config.micro_batch))
+
+
+def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None, kernels: str = "cuda",
+           activation_scale: float = 1.0) -> dict:
+    """Bytes per GPU of pipeline stage ``stage`` (None: the fullest): {"parameters", "gradients",
+    "optimizer", "activations"}."""
+    c = config
+    if stage is None:  # the fullest is an end stage or the first full-length one
+        stages = sorted({0, min(1, c.pp - 1), c.pp - 1})
+        return max((memory(model, c, seq, global_batch, s, kernels, activation_scale) for s in stages),
+                   key=lambda used: sum(used.values()))
+    params = stage_params(model, c.tp, c.pp, stage)
+    m = micro_batches(c, global_batch)
+    b, h = c.micro_batch, model.hidden
+    split = (c.tp if c.sp else 1) * c.cp  # how many ranks share one sequence's activations
+    token_features = seq * b * h / split
+    kept = activation_coefficient(model, kernels, c.recompute) * activation_scale
+    held = in_flight(c.schedule, c.pp, m, stage, c.v)
+    activations = kept * token_features * stage_layers(model, c.pp, stage) * held
+    if c.recompute != "none":  # one layer's activations rebuilt while it is recomputed
+        activations += (activation_coefficient(model, kernels) * activation_scale - kept) * token_features
+    if stage == c.pp - 1:  # the logits: bf16, their fp32 copy and the fp32 log-softmax (LOGIT_BYTES)
+        activations += LOGIT_BYTES * seq * b * model.vocab / (c.tp if model.vocab_parallel else 1) / c.cp
+    shards = c.dp * c.cp
+    parameters = 2 * params / (shards if c.zero >= 3 else 1)
+    if c.zero >= 3 and shards > 1:  # ~3 layers whole, and the root module's embedding / output layer whole
+        ends = params - stage_params(model, c.tp, c.pp, stage, ends=False)
+        parameters += 3 * 2 * model.layer_params() / c.tp + 2 * ends * (1 - 1 / shards)
+    return {
+        "parameters": parameters,
+        "gradients": 2 * params / (shards if c.zero >= 2 else 1),
+        "optimizer": 12 * params / (shards if c.zero >= 1 else 1),
+        "activations": activations,
+    }
 
 
 def ring(n: int) -> float:
@@ -224,43 +400,88 @@ def dp_factor(zero: int, dp: int, m: int) -> float:
     return {0: 2 * share, 1: 2 * share, 2: (m + 1) * share, 3: 3 * m * share}[zero]
 
 
-def traffic(model: Model, config: Config, seq: int, global_batch: int, dtype_bytes: int = 2, stage=None) -> dict:
-    """Bytes one GPU of ``stage`` (None: the fullest) sends per step, per dimension: {"tp", "pp", "dp", "cp"}."""
+def _pp_sends(config: Config, stage: int) -> int:
+    """Point-to-point sends per micro-batch of stage ``stage``: forward and back for each model chunk,
+    except the first chunk's gradient (nothing before it) and the last chunk's activation."""
     c = config
+    return 0 if c.pp == 1 else 2 * c.v - (stage == 0) - (stage == c.pp - 1)
+
+
+def traffic(model: Model, config: Config, seq: int, global_batch: int, dtype_bytes: int = 2, stage=None) -> dict:
+    """Bytes one GPU of ``stage`` sends per step, per dimension: {"tp", "pp", "dp", "cp"} (None: each
+    dimension's busiest stage)."""
+    c = config
+    if stage is None:
+        per_stage = [traffic(model, c, seq, global_batch, dtype_bytes, s) for s in sorted({0, c.pp // 2, c.pp - 1})]
+        return {dim: max(t[dim] for t in per_stage) for dim in per_stage[0]}
     m = micro_batches(config, global_batch)
     activation = seq * c.micro_batch * model.hidden * dtype_bytes / c.cp
-    layers = model.layers // c.pp
-    params = max(stage_params(model, c.tp, c.pp, s) for s in (range(c.pp) if stage is None else [stage]))
+    layers = stage_layers(model, c.pp, stage)
+    params = stage_params(model, c.tp, c.pp, stage)
     kv = 2 * seq / c.cp * c.micro_batch * model.hidden * model.kv_heads // model.heads * dtype_bytes / c.tp
     return {
-        "tp": (6 if c.recompute else 4) * layers * m * activation * ring(c.tp),
-        "pp": (2 if c.pp > 2 else 1) * m * activation / (c.tp if c.sp else 1) if c.pp > 1 else 0.0,
-        "dp": dp_factor(c.zero, c.dp, m) * params * dtype_bytes,
+        "tp": (6 if c.recompute == "full" else 4) * layers * m * activation * ring(c.tp),
+        "pp": _pp_sends(c, stage) * m * activation / (c.tp if c.sp else 1),
+        "dp": dp_factor(c.zero, c.dp * c.cp, m) * params * dtype_bytes,
         "cp": 3 * layers * m * kv * (c.cp - 1) if c.cp > 1 else 0.0,  # K/V around the ring, forward + backward
     }
+
+
+def ring_steps(model: Model, config: Config, global_batch: int, stage: int) -> dict:
+    """Latency-bound steps one GPU of ``stage`` waits through per step, per dimension: each collective's
+    ring steps (an all-reduce ``2(n-1)``, a reduce-scatter or all-gather ``n-1``; DP issues one
+    collective per layer, as FSDP and DDP's buckets do) and each point-to-point message."""
+    c = config
+    m, layers = micro_batches(c, global_batch), stage_layers(model, c.pp, stage)
+    n = c.dp * c.cp
+    per_layer = {0: 2 * (n - 1), 1: 2 * (n - 1), 2: (m + 1) * (n - 1), 3: 3 * m * (n - 1)}[c.zero]
+    return {
+        "tp": (6 if c.recompute == "full" else 4) * layers * m * 2 * (c.tp - 1),
+        "pp": _pp_sends(c, stage) * m,
+        "dp": per_layer * layers,
+        "cp": 3 * layers * m * (c.cp - 1),
+    }
+
+
+def flops_per_token(model: Model, seq: int, recompute: str = "none") -> float:
+    """Training FLOPs per token (a model): ``6`` per parameter of the matrices (the input embedding is
+    a lookup) plus causal attention's ``6·L·h·s`` (half of PaLM's ``12·L·h·s``); full recomputation
+    runs each layer's forward again (8 and 8); selective recomputation (torchtitan's policy) runs again
+    every second matrix of a layer, 2 FLOPs per parameter of those, and keeps attention's output."""
+    matmuls = model.params() - model.vocab * model.hidden
+    layer_matrices = sum(i * o for i, o in model.matrices())
+    extra = {"none": 0, "full": 2 * layer_matrices, "selective": 2 * sum(i * o for i, o in model.matrices()[1::2])}
+    attention = 6 * model.layers * model.hidden * seq
+    return 6 * matmuls + model.layers * extra[recompute] + attention * (8 / 6 if recompute == "full" else 1)
 
 
 def step_time(model: Model, cluster: Cluster, config: Config, seq: int, global_batch: int) -> dict:
     """Seconds per step: {"compute", "bubble", "tp", "pp", "cp", "dp exposed", "total"} (a model)."""
     c = config
-    tokens = global_batch * seq
-    matmul_params = model.params() - model.vocab * model.hidden  # the input embedding is a lookup
-    flops = ((8 if c.recompute else 6) * matmul_params + 6 * model.layers * model.hidden * seq) * tokens / c.gpus
-    compute = flops / (cluster.flops * cluster.mfu)
-    m = micro_batches(config, global_batch)
-    bubble = compute * (c.pp - 1) / m
-    sent = traffic(model, config, seq, global_batch)
+    flops = flops_per_token(model, seq, c.recompute) * global_batch * seq / c.gpus
+    slowest = max(stage_layers(model, c.pp, s) for s in {0, min(1, c.pp - 1)}) * c.pp / model.layers
+    compute = flops / (cluster.flops * cluster.mfu) * slowest  # the pipeline runs at its slowest stage's pace
+    m = micro_batches(c, global_batch)
+    sent = traffic(model, c, seq, global_batch)
+    stage = min(1, c.pp - 1)  # a full-length stage
+    steps = ring_steps(model, c, global_batch, stage)
 
-    def link(group_span):  # the slowest link a group of ranks that far apart uses
-        return cluster.intra_node if group_span <= cluster.per_node else cluster.inter_node
+    def link(group_span):  # the slowest link a group of ranks that far apart uses, and its latency
+        inside = group_span <= cluster.per_node
+        return (cluster.intra_node, cluster.alpha_intra) if inside else (cluster.inter_node, cluster.alpha_inter)
 
+    def seconds(dim, span):
+        bandwidth, alpha = link(span)
+        return sent[dim] / bandwidth + steps[dim] * alpha
+
+    dp = seconds("dp", c.gpus)
     times = {
         "compute": compute,
-        "bubble": bubble,
-        "tp": sent["tp"] / link(c.tp),
-        "cp": sent["cp"] / link(c.tp * c.cp),
-        "pp": sent["pp"] / link(c.tp * c.cp * c.pp),
-        "dp exposed": max(0.0, sent["dp"] / link(c.gpus) - compute * (1 if c.zero >= 2 else 2 / 3 / m)),
+        "bubble": compute * bubble(c.schedule, c.pp, m, c.v),
+        "tp": seconds("tp", c.tp),
+        "cp": seconds("cp", c.tp * c.cp),
+        "pp": seconds("pp", c.tp * c.cp * c.pp),
+        "dp exposed": max(0.0, dp - compute * (1 if c.zero >= 2 else 2 / 3 / m)),
     }
     times["total"] = sum(times.values())
     return times
@@ -268,37 +489,47 @@ def step_time(model: Model, cluster: Cluster, config: Config, seq: int, global_b
 
 def fits(model: Model, cluster: Cluster, config: Config, seq: int, global_batch: int) -> bool:
     """Does the fullest stage stay within the usable part of a GPU's memory?"""
-    return sum(memory(model, config, seq, global_batch).values()) <= cluster.usable * cluster.memory
+    used = memory(model, config, seq, global_batch, kernels=cluster.kernels, activation_scale=cluster.activation_scale)
+    return sum(used.values()) <= cluster.usable * cluster.memory
 
 
 def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> bool:
-    """Can this configuration run at all: the GPUs, heads, layers and batch divide evenly."""
+    """Can this configuration run at all: the GPUs, heads and layers divide, the global batch's sequences
+    split evenly over the data-parallel replicas (so ``dp × micro_batch`` is at most the global batch),
+    and an interleaved schedule has at least ``pp`` micro-batches (Megatron's condition)."""
     c = config
     return (
         c.gpus == cluster.gpus
         and model.heads % c.tp == 0
         and model.kv_heads % c.tp == 0
-        and model.layers % c.pp == 0
+        and splits(model, c.pp)
+        and c.pp * c.v <= model.layers
         and global_batch % (c.dp * c.micro_batch) == 0
         and c.tp <= cluster.per_node
+        and (c.schedule != "interleaved" or micro_batches(c, global_batch) >= c.pp)
     )
 
 
 def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)):
-    """Every valid configuration (powers of two for dp, tp, pp; ``cp`` from ``cp``; every ZeRO
-    stage; micro-batches of 1, 2 or 4; with and without recomputation), the ones that fit
-    first, fastest first."""
-    powers = [2**i for i in range(12) if 2**i <= cluster.gpus]
+    """Every valid configuration (powers of two for dp, tp, pp; ``cp`` from ``cp``; every ZeRO stage;
+    micro-batches of 1, 2 or 4; each recomputation policy; with pipelines, 1F1B, interleaved with 2
+    or 4 chunks per rank and ZB-H1): the ones that fit first, fastest first, then the rest, by memory."""
+    powers = [2**i for i in range(20) if 2**i <= cluster.gpus]
+    schedules = {1: [("1f1b", 1)], 0: [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]}
     found = []
-    for tp, pp, cp_, zero, b, recompute in itertools.product(powers, powers, cp, (0, 1, 2, 3), (1, 2, 4), (False, True)):
-        if cluster.gpus % (tp * pp * cp_):
+    for tp, pp, cp_, zero, b, recompute in itertools.product(powers, powers, cp, (0, 1, 2, 3), (1, 2, 4), RECOMPUTE):
+        if cluster.gpus % (tp * pp * cp_) or tp > cluster.per_node or pp > model.layers:
             continue
-        config = Config(cluster.gpus // (tp * pp * cp_), tp, pp, cp_, zero, b, recompute)
-        if valid(model, cluster, config, global_batch):
-            found.append(config)
+        for schedule, v in schedules[pp == 1]:
+            config = Config(cluster.gpus // (tp * pp * cp_), tp, pp, cp_, zero, b, recompute, schedule=schedule, v=v)
+            if valid(model, cluster, config, global_batch):
+                found.append(config)
+
     def key(c):  # fitting first, then fastest, then the least memory
-        total = sum(memory(model, c, seq, global_batch).values())
-        return (not fits(model, cluster, c, seq, global_batch), step_time(model, cluster, c, seq, global_batch)["total"], total)
+        total = sum(memory(model, c, seq, global_batch, kernels=cluster.kernels,
+                           activation_scale=cluster.activation_scale).values())
+        fitting = total <= cluster.usable * cluster.memory  # as fits() says
+        return (not fitting, step_time(model, cluster, c, seq, global_batch)["total"] if fitting else 0.0, total)
 
     return sorted(found, key=key)
 
@@ -310,3 +541,61 @@ def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)) -
             return config
     raise ValueError(f"no configuration of {model.name} fits in {cluster.usable:.0%} of {cluster.gpus} GPUs of "
                      f"{cluster.memory / 1e9:.0f} GB")
+
+
+GiB = 2**30
+# Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, 96 GB H100s, sequences of 8192
+# tokens, its default for Llama 3 8B/70B/405B): (run, model, GPUs, configuration, global batch, GiB per GPU, why
+# the model does not cover it or None). torchtitan reports torch.cuda.max_memory_reserved
+# (torchtitan/components/metrics.py:531), which is above what the tensors hold by what the caching allocator
+# keeps in reserve; the model predicts the tensors' bytes.
+PUBLISHED = [
+    ("8B FSDP 8, selective AC (T1)", LLAMA3_8B, 8, Config(dp=8, zero=3, micro_batch=2, recompute="selective"),
+     16, 82.4, None),
+    ("8B FSDP 8 + compile (T1)", LLAMA3_8B, 8, Config(dp=8, zero=3, micro_batch=2, recompute="selective"),
+     16, 77.0, "torch.compile: fewer saved tensors"),
+    ("8B FSDP 128, selective AC (T3)", LLAMA3_8B, 128, Config(dp=128, zero=3, micro_batch=2, recompute="selective"),
+     256, 67.0, None),
+    ("70B FSDP 32 x TP 8, full AC (T4)", LLAMA3_70B, 256, Config(dp=32, tp=8, zero=3, micro_batch=16, recompute="full"),
+     512, 71.9, "Float8, torch.compile"),
+    ("405B 8x8x8 1F1B, full AC (T5)", LLAMA3_405B, 512,
+     Config(dp=8, tp=8, pp=8, zero=3, micro_batch=4, recompute="full"), 256, 82.5,
+     "Float8, compile; PP keeps weights whole"),
+    ("405B 8x8x8 interleaved (T5)", LLAMA3_405B, 512,
+     Config(dp=8, tp=8, pp=8, zero=3, micro_batch=4, recompute="full", schedule="interleaved", v=2), 256, 72.7,
+     "Float8, compile; PP keeps weights whole"),
+]
+WITHIN = 0.15  # how close a covered run's prediction must be
+
+
+def validation(seq: int = 8192) -> list:
+    """The model's memory per GPU for each :data:`PUBLISHED` run: a list of dicts with "run",
+    "published" and "predicted" (GiB), "ratio" (predicted / published), "within" (of :data:`WITHIN`)
+    and "why not" (None where the model covers the run)."""
+    rows = []
+    for run, model, gpus, config, batch, published, why in PUBLISHED:
+        if config.gpus != gpus:
+            raise ValueError(f"{run}: {config} uses {config.gpus} GPUs, not {gpus}")
+        predicted = sum(memory(model, config, seq, batch).values()) / GiB
+        rows.append({"run": run, "published": published, "predicted": predicted, "ratio": predicted / published,
+                     "within": abs(predicted / published - 1) <= WITHIN, "why not": why})
+    return rows
+
+
+# Llama 3 405B's pre-training (Llama Team, *The Llama 3 Herd of Models*, arXiv:2407.21783, Table 4): 16,384
+# H100s, 2,048 sequences of 8,192 tokens per step, TP 8 x PP 16 x DP 128, an interleaved schedule, the first
+# and last stages one layer shorter; FSDP sharding the optimizer state and gradients, not resharding the
+# weights after forward (ZeRO-2 here). The paper does not give v; 4 chunks per rank is our assumption.
+LLAMA3_405B_RUN = (LLAMA3_405B, Cluster(16384), 2048, 8192,
+                   Config(dp=128, tp=8, pp=16, zero=2, micro_batch=1, recompute="selective", schedule="interleaved", v=4))
+
+
+def llama3_405b_check() -> dict:
+    """Meta's layout for Llama 3 405B by this model: {"config", "fits", "GB", "seconds", "best", "best seconds",
+    "slower" (its step time over the best's)}."""
+    model, cluster, batch, seq, config = LLAMA3_405B_RUN
+    fastest = best(model, cluster, batch, seq)
+    mine, theirs = (step_time(model, cluster, c, seq, batch)["total"] for c in (config, fastest))
+    return {"config": config, "fits": fits(model, cluster, config, seq, batch),
+            "GB": sum(memory(model, config, seq, batch).values()) / 1e9, "seconds": mine, "best": fastest,
+            "best seconds": theirs, "slower": mine / theirs}

@@ -1,0 +1,183 @@
+"""course.parallel.planner: each part of the model on cases worked out by hand (not the formula against
+itself), and the activation coefficients against a count of the tensors a Llama block saves."""
+
+import pytest
+
+from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.parallel import planner
+from course.parallel.planner import LLAMA3_8B, LLAMA3_405B, Cluster, Config, Model
+
+pytestmark = pytest.mark.skipif(
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+)
+
+# 4 layers of width 16, 4 heads: the capstone's TinyLM made deeper, for pipelines of 4 stages
+DEEP = Model("TinyLM x4", layers=4, hidden=16, ffn=64, heads=4, kv_heads=4, vocab=32, ffn_matrices=2, bias=True,
+             norms=False, vocab_parallel=False)
+
+
+def test_cuda_coefficient_is_the_tensors_a_llama_block_saves_counted_by_hand():
+    # per token, in bytes: bf16 x, norm output, q, attention output, x after attention, second norm output
+    # (6 x 2h); k and v (2 x 2kv); gate, up, silu(gate), the MLP's product (4 x 2f); two fp32 rstd (8) and the
+    # fp32 log-sum-exp per head (4 heads); per step, not per token, 24 bytes of the kernel's RNG state
+    h, kv, f, heads, seq = 4096, 1024, 14336, 32, 64
+    per_token = 12 * h + 4 * kv + 8 * f + 8 + 4 * heads
+    expected = (per_token * seq + 24) / (seq * h)
+    assert planner.activation_coefficient(LLAMA3_8B) == pytest.approx(expected, abs=1e-9)
+    # torchtitan's 2024 Llama repeated K and V to all 32 heads before attention: + 2 x 2 x (h - kv) per token
+    assert planner.activation_coefficient(LLAMA3_8B, repeat_kv=True) == pytest.approx(expected + 4 * (h - kv) / h)
+
+
+def test_selective_recomputation_keeps_what_torchtitans_policy_saves():
+    # saved: the block's input, q, v, the attention's output and log-sum-exp, gate, the last matmul's output
+    # (every second matmul, k, out, up, is recomputed); everything else is recomputed
+    h, kv, f, heads, seq = 4096, 1024, 14336, 32, 64
+    per_token = 2 * h + 2 * h + 2 * kv + 2 * h + 4 * heads + 2 * f + 2 * h
+    assert planner.activation_coefficient(LLAMA3_8B, recompute="selective") == pytest.approx(
+        (per_token * seq + 24) / (seq * h), abs=1e-9)
+    assert planner.activation_coefficient(LLAMA3_8B, recompute="full") == 2.0  # the input only
+
+
+def test_cpu_kernels_save_more_than_cuda_kernels():
+    cpu, cuda8 = planner.activation_coefficient(LLAMA3_8B, "cpu"), planner.activation_coefficient(LLAMA3_8B, head_dim=8)
+    assert cpu - cuda8 > 10  # CPU's composite RMSNorm keeps fp32 copies (measured 53.5 against 41.5)
+    with pytest.raises(ValueError):
+        planner.activation_coefficient(LLAMA3_8B, "tpu")
+
+
+def test_recompute_accepts_the_old_booleans_and_refuses_other_words():
+    assert Config(dp=8, recompute=True).recompute == "full" and Config(dp=8, recompute=False).recompute == "none"
+    for bad in (dict(recompute="some"), dict(schedule="1f2b"), dict(schedule="interleaved"), dict(v=2)):
+        with pytest.raises(ValueError, match="Config:"):
+            Config(dp=8, pp=4, **bad)
+
+
+def test_uneven_stages_are_one_layer_shorter_at_the_ends():
+    assert [planner.stage_layers(LLAMA3_405B, 16, s) for s in range(16)] == [7] + [8] * 14 + [7]
+    assert [planner.stage_layers(LLAMA3_8B, 4, s) for s in range(4)] == [8, 8, 8, 8]
+    assert [planner.stage_layers(Model("x", 10, 8, 8, 1, 1, 8), 4, s) for s in range(4)] == [2, 3, 3, 2]
+    for pp in (3, 5, 7):  # 32 and 34 layers: neither divides
+        assert not planner.splits(LLAMA3_8B, pp)
+        with pytest.raises(ValueError, match="split"):
+            planner.stage_layers(LLAMA3_8B, pp, 0)
+    assert planner.valid(LLAMA3_405B, Cluster(16384), Config(dp=128, tp=8, pp=16), 2048)
+
+
+def test_bubble_per_schedule():
+    assert planner.bubble("1f1b", 4, 8) == 3 / 8 == planner.bubble("gpipe", 4, 8)
+    assert planner.bubble("interleaved", 4, 8, v=2) == 3 / 16
+    assert planner.bubble("zb-h1", 4, 8) == 1 / 8
+    assert planner.bubble("1f1b", 1, 8) == 0
+    with pytest.raises(ValueError):
+        planner.bubble("zb-v", 4, 8)
+
+
+def test_micro_batches_in_flight_per_schedule():
+    assert [planner.in_flight("1f1b", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [planner.in_flight("1f1b", 4, 2, s) for s in range(4)] == [2, 2, 2, 1]
+    assert [planner.in_flight("gpipe", 4, 8, s) for s in range(4)] == [8] * 4
+    # Megatron's interleaved warm-up, p = 4, v = 2: stage 0 runs 2*3 + 4 + 1 = 11 chunks of half its layers,
+    # L/4 * 5.5 = L (1 + (p-1)/(p v)) layers' worth (Korthikanti et al. 2022)
+    assert [planner.in_flight("interleaved", 4, 8, s, v=2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
+
+
+def test_stage_memory_follows_the_schedule():
+    c = planner.activation_coefficient(LLAMA3_8B)
+    s, h = 8192, 4096
+    for schedule, v, held in (("1f1b", 1, 4), ("gpipe", 1, 16), ("interleaved", 2, 5.5)):
+        config = Config(dp=8, pp=4, zero=1, schedule=schedule, v=v)  # 128 sequences: 16 micro-batches of 1
+        assert planner.memory(LLAMA3_8B, config, s, 128, stage=0)["activations"] == pytest.approx(c * s * h * 8 * held)
+
+
+def test_recomputation_keeps_its_layers_inputs_and_rebuilds_one_layer():
+    c, kept = planner.activation_coefficient(LLAMA3_8B), planner.activation_coefficient(LLAMA3_8B, recompute="selective")
+    s, h = 8192, 4096
+    full = planner.memory(LLAMA3_8B, Config(dp=8, tp=2, recompute="full"), s, 16, stage=0)["activations"]
+    logits = (2 + 4 + 4) * s * 128256 / 2  # bf16 logits, an fp32 copy, the fp32 log-softmax; vocab-parallel
+    assert full == pytest.approx(32 * 2 * s * h / 2 + (c - 2) * s * h / 2 + logits)
+    sel = planner.memory(LLAMA3_8B, Config(dp=8, tp=2, recompute="selective"), s, 16, stage=0)["activations"]
+    assert sel == pytest.approx(32 * kept * s * h / 2 + (c - kept) * s * h / 2 + logits)
+
+
+def test_zero3_holds_three_whole_layers_and_shards_over_dp_and_cp():
+    p, layer = LLAMA3_8B.params(), LLAMA3_8B.layer_params()
+    ends = 2 * 128256 * 4096 + 4096  # embedding, output layer, final norm: FSDP2's root module, kept whole
+    used = planner.memory(LLAMA3_8B, Config(dp=4, cp=2, zero=3), 8192, 16)
+    assert used["parameters"] == pytest.approx(2 * (p - ends) / 8 + 3 * 2 * layer + 2 * ends)
+    assert used["optimizer"] == 12 * p / 8
+    assert planner.memory(LLAMA3_8B, Config(dp=1, zero=3), 8192, 16)["parameters"] == 2 * p  # nothing to gather
+
+
+def test_pipeline_traffic_per_stage_end_stages_send_one_way():
+    # TinyLM x4 on dp x pp x tp = 2 x 4 x 1, 8 sequences of 8 tokens, 2 micro-batches of 2 sequences, fp32:
+    # one activation is 8 x 2 x 16 x 4 = 1024 bytes; the first stage sends 2 forward, the last 2 back, the middle
+    # ones 2 each way. With gloo's 96 + 48 header bytes per message, over 2 steps: 4,672 and 9,344 bytes, what
+    # issue 41 measured on the sockets
+    config = Config(dp=2, pp=4, zero=0, micro_batch=2, sp=False)
+    sent = [planner.traffic(DEEP, config, 8, 8, dtype_bytes=4, stage=s)["pp"] for s in range(4)]
+    assert sent == [2048, 4096, 4096, 2048]
+    assert [2 * (n + n / 1024 * (96 + 48)) for n in sent] == [4672, 9344, 9344, 4672]
+    # interleaved, 2 chunks per rank: 3 sends per micro-batch (the first rank's first chunk has no gradient to
+    # pass back, the last rank's last chunk no activation to pass on)
+    inter = Config(dp=2, pp=2, zero=0, micro_batch=2, sp=False, schedule="interleaved", v=2)
+    assert [planner.traffic(DEEP, inter, 8, 8, dtype_bytes=4, stage=s)["pp"] for s in range(2)] == [3 * 2 * 1024] * 2
+    # with sequence parallelism each of 2 TP ranks sends its half
+    sp = Config(dp=1, tp=2, pp=4, zero=0, micro_batch=4)
+    assert planner.traffic(DEEP, sp, 8, 8, dtype_bytes=4, stage=1)["pp"] == 2 * 2 * 8 * 4 * 16 * 4 / 2
+
+
+def test_dp_traffic_reduces_over_dp_times_cp():
+    # 8 ranks hold the same weights (dp 4 x cp 2): ZeRO-1 all-reduces the gradients over 8, 2 * 7/8 of them
+    config = Config(dp=4, cp=2, zero=1)
+    params = planner.stage_params(LLAMA3_8B, 1, 1, 0)
+    assert planner.traffic(LLAMA3_8B, config, 8192, 16)["dp"] == pytest.approx(2 * 7 / 8 * params * 2)
+
+
+def test_latency_grows_with_the_ring():
+    # ZeRO-3, 1 micro-batch: per layer 2 all-gathers + 1 reduce-scatter of n - 1 steps each, 32 layers
+    steps = planner.ring_steps(LLAMA3_8B, Config(dp=64, zero=3), 64, 0)
+    assert steps["dp"] == 3 * 63 * 32
+    assert planner.ring_steps(LLAMA3_8B, Config(dp=8, tp=8), 8, 0)["tp"] == 4 * 32 * 1 * 2 * 7
+    cluster = Cluster(2048)
+    big = planner.step_time(LLAMA3_8B, cluster, Config(dp=2048, zero=3), 8192, 2048)
+    alpha_dp = 3 * 2047 * 32 * cluster.alpha_inter  # 1.6 s of waiting on 8 us steps
+    assert big["dp exposed"] >= alpha_dp - big["compute"] > 0  # 2048-way ZeRO-3 is not free any more
+
+
+def test_global_batch_caps_data_parallelism_and_sets_micro_batches():
+    cluster = Cluster(64)
+    assert not planner.valid(LLAMA3_8B, cluster, Config(dp=64), 32)  # 32 sequences cannot feed 64 replicas
+    assert planner.valid(LLAMA3_8B, cluster, Config(dp=32, tp=2), 32)
+    assert planner.micro_batches(Config(dp=16, pp=4), 256) == 16
+    # interleaving needs at least pp micro-batches
+    assert not planner.valid(LLAMA3_8B, cluster, Config(dp=16, pp=4, schedule="interleaved", v=2), 32)
+    assert planner.valid(LLAMA3_8B, cluster, Config(dp=16, pp=4, schedule="interleaved", v=2), 64)
+
+
+def test_selective_recomputation_flops():
+    # every second matrix of a layer again: k (h x kv), out (h x h), up (h x f): 2 FLOPs per parameter of those
+    h, kv, f, s = 4096, 1024, 14336, 8192
+    none = planner.flops_per_token(LLAMA3_8B, s)
+    assert planner.flops_per_token(LLAMA3_8B, s, "selective") - none == 32 * 2 * (h * kv + h * h + h * f)
+    full = planner.flops_per_token(LLAMA3_8B, s, "full")
+    assert full - none == 32 * 2 * LLAMA3_8B.layer_params() - 32 * 2 * 2 * h + 2 * 32 * h * s  # norms are no matmul
+
+
+def test_validation_against_published_runs():
+    rows = {r["run"]: r for r in planner.validation()}
+    assert len(rows) == len(planner.PUBLISHED)
+    covered = [r for r in rows.values() if r["why not"] is None]
+    assert {r["run"] for r in covered} == {"8B FSDP 8, selective AC (T1)", "8B FSDP 128, selective AC (T3)"}
+    # torchtitan reports max_memory_reserved: the model's tensors come out below it, by 15-16%
+    assert all(0.8 < r["ratio"] < 1 for r in covered)
+    assert rows["8B FSDP 8, selective AC (T1)"]["within"]
+    # 8B on 8 -> 128 GPUs: 16 bytes per parameter sharded 16x further, less the root module's bf16 weights,
+    # which FSDP2 holds whole on both
+    drop = (rows["8B FSDP 8, selective AC (T1)"]["predicted"] - rows["8B FSDP 128, selective AC (T3)"]["predicted"])
+    ends = 2 * 128256 * 4096 + 4096
+    assert drop * 2**30 == pytest.approx((16 * LLAMA3_8B.params() - 2 * ends) * (1 / 8 - 1 / 128))
+
+
+def test_llama3_405b_as_meta_ran_it_fits_and_is_near_the_best():
+    meta = planner.llama3_405b_check()
+    assert meta["config"].gpus == 16384 and meta["fits"] and 1 <= meta["slower"] < 1.10
