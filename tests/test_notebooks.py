@@ -270,20 +270,13 @@ def test_definitions_are_the_code_a_student_sees_with_decorators_and_without_mar
 
 # Notebooks 11, 14, 15 and 16 are being edited by other helpers, who make their printed lines fit
 # and rebuild them (issue 39): skipped here until they are merged; the lead removes this then.
-EDITED_ELSEWHERE = ("17_",)  # the capstone: its planner issue (41) rewraps its lines
 WIDTH = 100  # JupyterLab breaks a stdout line mid-word past ~103 characters (1280 px, file browser open)
-
-
-def _skip_if_edited_elsewhere(name):
-    if name.startswith(EDITED_ELSEWHERE):
-        pytest.skip("being edited by another helper (issue 39); the lead removes this skip after the merge")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_printed_lines_fit_the_output_area(name):
     """Every stdout line a solution notebook stores is at most WIDTH characters: wider ones break
     mid-word in JupyterLab ("conv|ert"); a wider table belongs in rich output (HTML), which scrolls."""
-    _skip_if_edited_elsewhere(name)
     nb = nbformat.read(SOLUTIONS / name, as_version=4)
     wide = [(cell.get("id"), len(line), line) for cell in nb.cells if cell.cell_type == "code"
             for output in cell.outputs if output.output_type == "stream" and output.name == "stdout"
@@ -295,7 +288,6 @@ def test_printed_lines_fit_the_output_area(name):
 def test_solutions_carry_no_empty_outputs(name):
     """course.launch's live display is created only when it has something to show and emptied at
     the end; the build drops an emptied one (notebooks.execute): none is stored."""
-    _skip_if_edited_elsewhere(name)
     nb = nbformat.read(SOLUTIONS / name, as_version=4)
     empty = [cell.get("id") for cell in nb.cells if cell.cell_type == "code"
              for output in cell.outputs if output.output_type == "display_data" and not output.get("data")]
