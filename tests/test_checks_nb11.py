@@ -1,6 +1,7 @@
 """Notebook 11's checks reject plausible wrong answers with a useful hint."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,13 +23,24 @@ from course.parallel.zero import flat_padded, zero1_step
 # (it would refuse them first; tests/test_guard.py tries it).
 pytestmark = pytest.mark.usefixtures("judges_only")
 
+
+def said(feedback):
+    """The verdict's words on one line (the check's hints are cut into lines of at most 100 characters),
+    after checking that such a hint prints no longer line (a failed rank's report is not the check's)."""
+    assert not feedback.message.startswith("not yet. Hint:") or max(len(line) for line in repr(replace(feedback, details="")).splitlines()) <= 100, feedback
+    return " ".join(feedback.message.split())
+
 # ------------------------------------------------------------------ Exercise 1 (zero1_step)
+
+
+def _trainable(model):  # the check's model has a frozen parameter: ZeRO-1 flattens only the trainable ones
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _copy_back(model, flat):
     with torch.no_grad():
         offset = 0
-        for p in model.parameters():
+        for p in _trainable(model):
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
@@ -40,7 +52,7 @@ def _gather(model, shard, like):
 
 
 def _no_division(model, shard, optimizer):
-    grads = flat_padded([p.grad for p in model.parameters()], dist.get_world_size())
+    grads = flat_padded([p.grad for p in _trainable(model)], dist.get_world_size())
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
     optimizer.step()
@@ -49,19 +61,19 @@ def _no_division(model, shard, optimizer):
 
 def _no_gather(model, shard, optimizer):
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     grad_shard = torch.empty_like(shard)
     dist.reduce_scatter_tensor(grad_shard, grads)
     shard.grad = grad_shard / world_size
     optimizer.step()
-    old = flat_padded(model.parameters(), world_size)
+    old = flat_padded(_trainable(model), world_size)
     old.chunk(world_size)[dist.get_rank()].copy_(shard.detach())  # only my slice: the others stay stale
     _copy_back(model, old)
 
 
 def _all_reduce(model, shard, optimizer):
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     dist.all_reduce(grads)
     shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
     optimizer.step()
@@ -74,7 +86,7 @@ def _never_sets_grad(model, shard, optimizer):
 
 def _gathers_the_gradient(model, shard, optimizer):
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     grad_shard = torch.empty_like(shard)
     dist.reduce_scatter_tensor(grad_shard, grads)
     shard.grad = grad_shard / world_size
@@ -84,7 +96,7 @@ def _gathers_the_gradient(model, shard, optimizer):
 
 def _wrong_slice(model, shard, optimizer):
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     dist.all_reduce(grads)
     shard.grad = grads.chunk(world_size)[world_size - 1 - dist.get_rank()] / world_size
     optimizer.step()
@@ -93,7 +105,7 @@ def _wrong_slice(model, shard, optimizer):
 
 def _never_steps(model, shard, optimizer):
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
     shard.grad /= world_size
@@ -103,7 +115,7 @@ def _never_steps(model, shard, optimizer):
 def _sums_gathered_gradients(model, shard, optimizer):
     """Right numbers, wrong collective: every rank gathers every rank's whole gradient and sums."""
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     everyone = torch.empty(world_size * grads.numel())
     dist.all_gather_into_tensor(everyone, grads)
     total = everyone.view(world_size, -1).sum(0)
@@ -115,7 +127,7 @@ def _sums_gathered_gradients(model, shard, optimizer):
 def _two_rank_partner(model, shard, optimizer):
     """Right on 2 ranks only: swaps gradients with the one other rank, `1 - rank`."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     theirs = torch.empty_like(grads)
     request = dist.isend(grads, 1 - rank)
     dist.recv(theirs, 1 - rank)
@@ -128,7 +140,7 @@ def _two_rank_partner(model, shard, optimizer):
 def _all_reduces_on_a_subgroup(model, shard, optimizer):
     """The built-in all-reduce, hidden from the traced default group on a group of all ranks."""
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
     shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
     optimizer.step()
@@ -138,12 +150,37 @@ def _all_reduces_on_a_subgroup(model, shard, optimizer):
 def _scatters_for_show_and_all_reduces_on_a_subgroup(model, shard, optimizer):
     """A reduce-scatter the traced group sees, and the all-reduce it does not see doing the work."""
     world_size = dist.get_world_size()
-    grads = flat_padded([p.grad for p in model.parameters()], world_size)
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
     dist.reduce_scatter_tensor(torch.empty_like(shard), grads)
     dist.all_reduce(grads, group=dist.new_group(list(range(world_size))))
     shard.grad = grads.chunk(world_size)[dist.get_rank()] / world_size
     optimizer.step()
     _gather(model, shard, grads)
+
+
+def _broadcasts_the_gradient_too(model, shard, optimizer):
+    """The right step, plus a broadcast of the whole flat gradient on the default group: only a few
+    hundred bytes on the check's tiny model, hidden in gloo's overhead on the wire, but traced."""
+    dist.broadcast(flat_padded([p.grad for p in _trainable(model)], dist.get_world_size()), 0)
+    zero1_step(model, shard, optimizer)
+
+
+def _flattens_every_parameter(model, shard, optimizer):
+    """Ignores requires_grad: a frozen parameter has no gradient (taken as zeros here), and the
+    flat vector no longer matches zero1_setup's shard."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()], world_size)
+    grad_shard = torch.empty(grads.numel() // world_size)
+    dist.reduce_scatter_tensor(grad_shard, grads)
+    shard.grad = grad_shard[: shard.numel()] / world_size
+    optimizer.step()
+    flat = torch.empty_like(grads)
+    dist.all_gather_into_tensor(flat, torch.cat([shard.detach(), grad_shard[shard.numel():]]))
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def _zero_grad_after_the_step(model, shard, optimizer):
@@ -170,11 +207,13 @@ def _crashes(model, shard, optimizer):
         (_two_rank_partner, "never reduce-scattered the whole gradient"),  # right sums on 2 ranks, fails on 3
         (_all_reduces_on_a_subgroup, "never reduce-scattered the whole gradient on the default process group"),
         (_scatters_for_show_and_all_reduces_on_a_subgroup, "more on the wire than a reduce-scatter and an all-gather"),
+        (_broadcasts_the_gradient_too, "also called broadcast"),
+        (_flattens_every_parameter, "shard.grad is not this rank's slice"),
     ],
 )
 def test_zero1_step_rejects_wrong_answers(answer, hint):
     feedback = nb11.zero1_step(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    assert feedback.status == "wrong" and hint in said(feedback), feedback
 
 
 def test_zero1_step_accepts_a_step_that_zeroes_the_gradient_afterwards():
@@ -187,9 +226,9 @@ def test_zero1_step_without_wire_judges_by_process_groups_and_says_so(monkeypatc
     the bytes were not measured."""
     monkeypatch.setattr(nb11.wire, "available", lambda: False)
     feedback = nb11.zero1_step(_scatters_for_show_and_all_reduces_on_a_subgroup)
-    assert feedback.status == "wrong" and "process group of its own" in feedback.message, feedback
+    assert feedback.status == "wrong" and "process group of its own" in said(feedback), feedback
     feedback = nb11.zero1_step(_zero_grad_after_the_step)
-    assert feedback.status == "correct" and "bytes on the wire not measured" in feedback.message, feedback
+    assert feedback.status == "correct" and "bytes on the wire not measured" in said(feedback), feedback
 
 
 # ------------------------------------------------------------------ Exercise 2 (fully_shard_by_hand)
@@ -246,7 +285,8 @@ def _gather_and_sum(grad, world_size):
     return everyone.view(world_size, -1).sum(0)
 
 
-def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_all_for_backward=False, reduce=None):
+def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_all_for_backward=False, reduce=None,
+           only_if_freed=True):
     shards = shard_parameters(model)
     for p in shards:
         free_parameter(p)
@@ -260,7 +300,7 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_
 
         def gather(*_, own=own):
             for p in own:
-                if p.untyped_storage().nbytes() == 0:
+                if not only_if_freed or p.untyped_storage().nbytes() == 0:
                     gather_parameter(p, shards[p])
 
         def after_forward(module, args, output, own=own, gather=gather):
@@ -280,6 +320,12 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_
 
         model.register_forward_hook(lambda m, a, output: output.register_hook(gather_all) and None)
     return shards
+
+
+def _gathers_the_tied_weight_twice(model, units):
+    """Gathers a unit's parameters even when they are whole: the tied weight, whole already when
+    backward reaches its second unit, is all-gathered again (right weights, more bytes)."""
+    return _hooks(model, units, only_if_freed=False)
 
 
 def _gathers_every_unit_for_backward(model, units):
@@ -402,6 +448,7 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
         (_scatters_for_show_unit, "more on the wire in 2 steps than the course's"),
         (_keeps_whole_gradients_until_backward_ends, "whole gradients of units it had passed were still held"),
         (_stashes_whole_gradients_until_backward_ends, "not reduce-scattered into their shards yet"),
+        (_gathers_the_tied_weight_twice, "the model with a tied weight: your ranks all-gathered"),
         (fully_shard_by_hand, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         (_calls_the_course_version, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         pytest.param(_fsdp2, "that is PyTorch's FSDP2", marks=pytest.mark.skipif(
@@ -410,7 +457,7 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
 )
 def test_fully_shard_by_hand_rejects_wrong_answers(answer, hint):
     feedback = nb11.fully_shard_by_hand(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    assert feedback.status == "wrong" and hint in said(feedback), feedback
 
 
 def test_fully_shard_by_hand_without_wire_judges_by_process_groups_and_says_so(monkeypatch):
@@ -418,9 +465,9 @@ def test_fully_shard_by_hand_without_wire_judges_by_process_groups_and_says_so(m
     reduce-scatter for show is rejected by another measure, and a right answer is told what was not checked."""
     monkeypatch.setattr(nb11.wire, "available", lambda: False)
     feedback = nb11.fully_shard_by_hand(_scatters_for_show_unit)
-    assert feedback.status == "wrong" and "process group of its own" in feedback.message, feedback
+    assert feedback.status == "wrong" and "process group of its own" in said(feedback), feedback
     feedback = nb11.fully_shard_by_hand(_hooks)
-    assert feedback.status == "correct" and "bytes on the wire not measured" in feedback.message, feedback
+    assert feedback.status == "correct" and "bytes on the wire not measured" in said(feedback), feedback
 
 
 # ------------------------------------------------------------------ Exercise 3 (scaled_step)
@@ -441,6 +488,11 @@ def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch
             dist.all_reduce(found)  # any nonzero count means an overflow somewhere: also right
         elif agree == "rank 0":
             dist.broadcast(found, 0)
+        elif agree == "copies":  # right verdicts, but whole shards on the wire instead of one number
+            copies = [s.grad.clone() for s in shards.values()]
+            for grad_copy in copies:
+                dist.all_reduce(grad_copy)
+            found = torch.tensor([float(not all(torch.isfinite(c).all() for c in copies))])
         if found.item():
             if zero_on_skip:
                 optimizer.zero_grad()
@@ -478,6 +530,7 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
     [
         (_scaler(agree=None), "the ranks disagreed"),
         (_scaler(agree="rank 0"), "was taken though a gradient held an inf or a NaN"),
+        (_scaler(agree="copies"), "copies of the gradient shards"),
         (_scaler(unscale=False), "still scaled"),
         (_scaler(zero_on_skip=False), "zero the gradients"),
         (_scaler(halve=False), "halve it when the step is skipped"),
@@ -489,7 +542,7 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
 )
 def test_scaled_step_rejects_wrong_answers(answer, hint):
     feedback = nb11.scaled_step(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    assert feedback.status == "wrong" and hint in said(feedback), feedback
 
 
 # ------------------------------------------------------------------ Exercise 4 (bytes_per_rank)
@@ -541,7 +594,7 @@ def test_bytes_per_rank_answer_is_what_a_real_run_measures():
 )
 def test_bytes_per_rank_rejects_wrong_answers(answer, hint):
     feedback = nb11.bytes_per_rank(*answer.values())
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    assert feedback.status == "wrong" and hint in said(feedback), feedback
 
 
 # ------------------------------------------------------------------ Exercise 5 (checkpoint_sequential)
@@ -564,6 +617,8 @@ def test_checkpoint_sequential_counts_are_measured():
         ([2, 2, 1, 1], 300, "Tensors shared between blocks count once"),
         ([2, 2, 1], 320, "4 of them"),
         ("two", 320, "a list of 4 whole numbers"),
+        (["2", "2", "1", "1"], 320, "not strings"),
+        ([2, 2, 1, 1], "320", "not strings"),
         ([2.5, 2, 1, 1], 320, "a whole number of times"),
         ([2.4, 2.4, 1.2, 1.2], 320, "a whole number of times"),  # int() would have made them right
         ([True, 2, 1, 1], 320, "a whole number of times"),
@@ -571,4 +626,4 @@ def test_checkpoint_sequential_counts_are_measured():
 )
 def test_checkpoint_sequential_rejects_wrong_answers(calls, kib, hint):
     feedback = nb11.checkpoint_sequential(calls, kib)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    assert feedback.status == "wrong" and hint in said(feedback), feedback

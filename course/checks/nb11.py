@@ -4,6 +4,7 @@ import contextlib
 import functools
 import math
 import sys
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -13,13 +14,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.classroom import guard
 from course.observe import tracing, wire
-from course.classroom.exercises import correct, exercise, wrong
+from course.classroom import exercises
+from course.classroom.exercises import correct, exercise
 from course.runtime.launcher import launch
 from course.observe.memory import bytes_per_rank as measure_bytes
 from course.observe.memory import saved_activation_bytes, storage_bytes
 from course.parallel.zero import zero1_setup, zero1_step as reference_zero1_step
 
-# ------------------------------------------------------------------ bytes on the wire, calls watched
+# ------------------------------------------------------------------ verdicts, bytes on the wire, calls watched
+
+# A verdict's first line also carries "❌ Exercise 5 (checkpoint_sequential): not yet. Hint: " (53 characters).
+LINE, LEAD = 100, 55
+
+
+def wrong(hint):
+    """exercises.wrong, with the hint cut into lines of at most 100 characters as printed."""
+    first, *rest = hint.split("\n")
+    fill = functools.partial(textwrap.fill, width=LINE, break_on_hyphens=False)  # keep "all-gather" whole
+    lines = fill(first, initial_indent=" " * LEAD).lstrip().split("\n")
+    return exercises.wrong("\n".join(lines + [fill(line) for line in rest]))
+
 
 # What an answer may put on the wire beyond the course's own version of the same step, per rank:
 # gloo's few bytes per message and a delayed acknowledgement. Measured (torch 2.15, gloo, Linux) on
@@ -27,6 +41,10 @@ from course.parallel.zero import zero1_setup, zero1_step as reference_zero1_step
 # per rank on 2 ranks); one that adds an all-reduce of each gradient on a dist.new_group group sends
 # ~6,000-16,000 more. (An all-reduce on a subgroup *instead of* the reduce-scatter sends about the
 # same bytes, as gloo builds reduce_scatter_tensor from an all-reduce: the trace catches that one.)
+# A small extra collective on the default group hides under this slack on the checks' tiny models (Exercise
+# 1's gradient is 212 bytes): the trace catches those (Exercise 1 allows only a reduce-scatter and an
+# all-gather, Exercise 2 compares the bytes all-gathered with the course's, Exercise 3 counts the values
+# all-reduced).
 WIRE_SLACK = 1024
 
 
@@ -89,8 +107,16 @@ def calls_into(codes=(), files=()):
 
 
 def _model():
+    """58 values, 53 of them trainable (uneven on 2 and 3 ranks): the first layer's bias is frozen,
+    so an answer that flattens every parameter, not only the trainable ones, goes wrong."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))  # 53 values: uneven on 2 ranks
+    model = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[0].bias.requires_grad_(False)
+    return model
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
@@ -105,12 +131,12 @@ def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
     flat_grads, shard_grads, new_groups = [], [], set()
     for step in range(steps):
         g = torch.Generator().manual_seed(10 * step + rank)  # different data on every rank
-        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        x, y = torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g)
         for m in (ddp_model, model):
             m.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
         ddp_optimizer.step()
-        flat_grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        flat_grads.append(torch.cat([p.grad.reshape(-1) for p in _trainable(model)]))
         tracing.clear()
         at_step.clear()
         with _on_wire(measurable) if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's
@@ -125,8 +151,8 @@ def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
     # the course's own step on the same gradients, for the bytes a right answer puts on the wire
     reference = _model()
     reference_shard, reference_optimizer = zero1_setup(reference, torch.optim.Adam, lr=0.1)
-    for p, q in zip(reference.parameters(), model.parameters()):
-        p.grad = torch.ones_like(q)
+    for p in _trainable(reference):
+        p.grad = torch.ones_like(p)
     with _on_wire(measurable) as reference_wire:
         guard.original(reference_zero1_step)(reference, reference_shard, reference_optimizer)
     flat = torch.nn.utils.parameters_to_vector
@@ -142,6 +168,8 @@ def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
         "ops": ops,
         "new_groups": new_groups,
         "state_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()),
+        # DDP + Adam's state: two float32 moments per trainable value and a 4-byte step per tensor
+        "ddp_state_bytes": sum(8 * p.numel() + 4 for p in _trainable(ddp_model)),
     }
 
 
@@ -165,7 +193,7 @@ def zero1_step(fn, world_sizes=(2, 3)):
 def _judge_zero1(fn, world_size, measurable):
     results = launch(_zero1_run, world_size, fn, measurable, show=None, timeout=120, backend="traced")
     first = results[0]
-    n = first["weights"].numel()
+    n = first["flat_grads"][-1].numel()
     # what each rank's slice of the averaged flat gradient should be (the last step's)
     mean_grad = sum(r["flat_grads"][-1] for r in results) / world_size
     mean_grad = nn.functional.pad(mean_grad, (0, -n % world_size))
@@ -194,6 +222,11 @@ def _judge_zero1(fn, world_size, measurable):
         return wrong("your ranks never reduce-scattered the whole gradient on the default process group (the traced "
                      "group saw no reduce_scatter_tensor of it): call dist.reduce_scatter_tensor, on the default group "
                      "(a group of dist.new_group hides its collectives from the default group, not from this check).")
+    others = sorted(set().union(*(r["ops"] for r in results)) - {"reduce_scatter_tensor", "all_gather_into_tensor",
+                                                                  "barrier"})
+    if others:
+        return wrong(f"your step also called {', '.join(others)} (traced on the default group): bytes a ZeRO-1 "
+                     "step does not need. One reduce_scatter_tensor and one all_gather_into_tensor do it.")
     own_group = None if measurable else _own_group(set().union(*(r["new_groups"] for r in results)))
     if own_group is not None:
         return own_group
@@ -209,8 +242,8 @@ def _judge_zero1(fn, world_size, measurable):
         return wrong("the weights differ from DDP + Adam: check how you copy the gathered vector back "
                      "(parameters in model.parameters() order, each p.numel() values, view_as(p)), "
                      "and that you gather shard itself (the updated weights), not its gradient.")
-    return correct(f"2 and 3 ranks, 3 Adam steps each: the same weights as DDP,\n"
-                   f"with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {8 * n + 16}."
+    return correct(f"2 and 3 ranks, 3 Adam steps each, a frozen parameter:\n"
+                   f"the same weights as DDP, with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {first['ddp_state_bytes']}."
                    + ("" if measurable else NOT_MEASURED))
 
 
@@ -309,7 +342,9 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None, measurable=True):
             seen["rest"].append(_whole(trainable))
             ops = {e.op for e in tracing.collectives()}
             scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
+            gathered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("all_gather"))
     return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": on_wire.sent,
+            "gathered": gathered,
             "scatters_every_gradient": scattered >= with_grad, "new_groups": new_groups | (called & set(NEW_GROUPS))}
 
 
@@ -328,9 +363,9 @@ def _fsdp_run(rank, world_size, fn, measurable=True, steps=2):
         for p, shard in run.pop("shards").items():
             gather_parameter(p, shard)
         run["difference"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.parameters()))
-        if index == 0:  # the course's version on the same model and data: the bytes a right answer sends
-            reference = guard.original(course_version)
-            run["reference_wire"] = _fsdp_train(rank, model2, units2, reference, steps, None, measurable)["wire"]
+        # the course's version on the same model and data: the bytes a right answer sends and gathers
+        right = _fsdp_train(rank, model2, units2, guard.original(course_version), steps, None, measurable)
+        run["reference_wire"], run["reference_gathered"] = right["wire"], right["gathered"]
         out.append({**run, "model": index})
     return out
 
@@ -389,7 +424,12 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
             own_group = None if measurable else _own_group(r["new_groups"])
             if own_group is not None:
                 return own_group
-            extra = _more_on_wire([r["wire"]], [r["reference_wire"]]) if "reference_wire" in r else 0
+            if r["gathered"] > r["reference_gathered"]:
+                return wrong(f"{what}: your ranks all-gathered {r['gathered']:,} bytes in a step, the course's "
+                             f"version {r['reference_gathered']:,} (traced on the default group): a parameter "
+                             "gathered while it was whole already? A tied weight belongs to two units: gather "
+                             "it only if its memory is freed (p.untyped_storage().nbytes() == 0).")
+            extra = _more_on_wire([r["wire"]], [r["reference_wire"]])
             if extra:
                 return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
                              "version (measured on the sockets with course.observe.wire): whole gradients gathered, or a "
@@ -401,7 +441,7 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
     return correct("2 and 3 ranks, a frozen parameter, uneven shards\n"
                    "and a tied weight: each unit whole only around its forward and from the start of its backward\n"
                    "(no other unit's parameters whole then), every gradient reduce-scattered\n"
-                   "during backward, no more bytes on the wire than the course's version,\n"
+                   "during backward, no more bytes gathered (traced) or on the wire than the course's version,\n"
                    "and the same weights as DDP + Adam." + ("" if measurable else NOT_MEASURED))
 
 
@@ -450,12 +490,13 @@ def _scaler_run(rank, world_size, fn, steps=7, scale=2.0**10):
 
     for p in (first, weight, bias):
         p.register_hook(injector(p))
-    verdicts = []
+    verdicts, most_reduced = [], 0  # the most values all-reduced in one step
     for step in range(steps):
         step_now[0] = step
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
         at_step.clear()
+        tracing.clear()
         # a built-in scaler is called at every step: watching the first is enough (and cheaper)
         with calls_into(files=("grad_scaler.py",)) if step == 0 else contextlib.nullcontext(set()) as built_in:
             answer = fn(shards, optimizer, nn.functional.mse_loss(model(x), y), scale)
@@ -466,7 +507,9 @@ def _scaler_run(rank, world_size, fn, steps=7, scale=2.0**10):
             return {"error": "return (the new scale, whether the step was taken)."}
         scale, stepped = answer
         verdicts.append((float(scale), bool(stepped), at_step[0] if at_step else None))
-    return {"verdicts": verdicts, "masters": torch.cat([s.detach() for s in shards.values()])}
+        reduced = [math.prod(shape) for e in tracing.collectives() if e.op.startswith("all_reduce") for shape in e.shapes]
+        most_reduced = max(most_reduced, sum(reduced))
+    return {"verdicts": verdicts, "most_reduced": most_reduced, "shards": len(shards), "masters": torch.cat([s.detach() for s in shards.values()])}
 
 
 def _scaler_pair(rank, world_size, fn, reference):
@@ -486,7 +529,7 @@ def scaled_step(fn, world_sizes=(2, 3)):
 
     reference = guard.original(scaled_step)  # the course's own, unguarded: the check's yardstick
     for world_size in world_sizes:
-        both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120)
+        both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120, backend="traced")
         mine, right = [m for m, _ in both], [r for _, r in both]
         for r in mine:
             if "error" in r:
@@ -496,6 +539,11 @@ def scaled_step(fn, world_sizes=(2, 3)):
                 return wrong(f"on {world_size} ranks, at step {step} the ranks disagreed (skipped or not, or the scale): "
                              "each rank sees only its own shards, so an overflow on one is invisible to the others. "
                              "Agree on one verdict: all-reduce the found-inf flag with ReduceOp.MAX.")
+        for r in mine:
+            if r["most_reduced"] > r["shards"]:
+                return wrong(f"on {world_size} ranks, your step all-reduced {r['most_reduced']:,} values (traced on "
+                             "the default group) to agree on one verdict: copies of the gradient shards? Agree on one "
+                             "number, the found-inf flag (all_reduce with ReduceOp.MAX).")
         for step, ((scale, stepped, grads), (right_scale, right_stepped, right_grads)) in enumerate(
                 zip(mine[0]["verdicts"], right[0]["verdicts"])):
             if stepped and not right_stepped:
@@ -662,6 +710,8 @@ def checkpoint_sequential(forward_calls, saved_kib):
     """Exercise 5: what checkpoint_sequential(model, 3, x) runs and keeps for 4 blocks."""
     calls, kib = checkpoint_sequential_counts()
     try:
+        if isinstance(saved_kib, (str, bytes)) or any(isinstance(c, (str, bytes)) for c in forward_calls):
+            return wrong("forward_calls: a list of 4 whole numbers, saved_kib: a number (numbers, not strings).")
         whole = all(not isinstance(c, bool) and float(c) == int(c) for c in forward_calls)
         forward_calls = [int(c) for c in forward_calls]
         saved_kib = float(saved_kib)
