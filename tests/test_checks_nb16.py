@@ -1,5 +1,6 @@
 """Notebook 16's checks reject plausible wrong answers with a useful hint."""
 
+import random
 import types
 
 import pytest
@@ -113,6 +114,9 @@ def test_torch_under_another_name_is_right_without_the_check():
         (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * (1 - r)), "p = 4"),  # right for p = 2 only
         (_interleaved(lambda p, m, v, r, size: (v - 1) * size), "idles"),  # no 1F1B warm-up below the rank
         (_interleaved(lambda p, m, v, r, size: (v - 1) * p + 2 * (p - 1 - r)), "p = 4, m = 6"),  # m % p == 0 only
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * min(p - 1 - r, 3)), "p = 5"),  # right for p <= 4
+        (_interleaved(lambda p, m, v, r, size: m * v if m > 8 else (v - 1) * size + 2 * (p - 1 - r)),
+         "holds up to"),  # GPipe's memory for m > 8 only
         (lambda p, m, v: _interleaved()(p, m, 1) if v == 1 else _interleaved()(p, m, 1)[:0], "missing"),
         (_torch_under_another_name, "asks torch.distributed.pipelining"),
         (schedules.interleaved_1f1b, "course's own finished version"),
@@ -150,6 +154,7 @@ def _torch_zb(p, m):
         (_zb(lag=lambda r: 0), "idles"),  # W right after B: 1F1B's bubble
         (_zb(lag=lambda r: r, warmup=lambda p, r: 1 - r), "p = 4"),  # 1F1B's warm-up for p = 2 only
         (_zb(warmup=lambda p, r: r), "deadlocks"),  # the warm-up reversed: rank 0 waits for a gradient of F1
+        (_zb(lag=lambda r: min(r, 3)), "p = 5"),  # right for p <= 4
         (_torch_zb, "asks torch.distributed.pipelining"),
         (schedules.zb_h1, "course's own finished version"),
     ],
@@ -166,3 +171,29 @@ def test_torch_schedules_work_again_after_the_check():
     nb16.zero_bubble(_torch_zb)
     assert (ts.ScheduleInterleaved1F1B.__init__, ts._get_1f1b_rank_ops) == before
     assert _torch_zb(2, 4) == _zb()(2, 4)  # torch's ZB order with one chunk per rank is ZB-H1's
+
+
+def _looked_up(tables):
+    return lambda *point: tables[point]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_dict_of_tables_prepared_for_every_fixed_case_fails_on_the_points_drawn_at_call_time(seed):
+    """Tables precomputed (here the course's own, so right) for every fixed case and every point the
+    check drew before this change: the 3 points drawn when the check runs are not among them."""
+    ex1 = {pmv: [tuple(r) for r in schedules.interleaved_1f1b(*pmv)]
+           for pmv in {*nb16.INTERLEAVED, *((p, m, v) for p in range(2, 6) for m in range(2, 13) for v in range(1, 5))}}
+    ex2 = {pm: [tuple(r) for r in schedules.zb_h1(*pm)]
+           for pm in {*nb16.ZERO_BUBBLE, *((p, m) for p in range(2, 7) for m in range(2, 13))}}
+    random.seed(seed)
+    feedback = nb16.interleaved(_looked_up(ex1))
+    assert feedback.status == "wrong" and "KeyError" in feedback.message, feedback
+    random.seed(seed)
+    feedback = nb16.zero_bubble(_looked_up(ex2))
+    assert feedback.status == "wrong" and "KeyError" in feedback.message, feedback
+
+
+def test_success_messages_fit_in_100_columns():
+    for check, answer in [(nb16.interleaved, _interleaved()), (nb16.zero_bubble, _zb())]:
+        feedback = check(answer)
+        assert feedback.status == "correct" and max(map(len, repr(feedback).splitlines())) <= 100, feedback

@@ -94,6 +94,25 @@ def test_torchs_zero_bubble_with_one_stage_per_rank_is_zb_h1(p, m):
     assert cs.orders_of(cs.from_torch(order, p), p) == cs.orders_of(cs.zb_h1(p, m), p)
 
 
+
+@pytest.mark.parametrize("name, p, m, v", [("interleaved", 4, 8, 2), ("interleaved", 4, 8, 1),
+                                           ("interleaved", 16, 16, 4), ("zb-h1", 4, 8, 1)])
+def test_torchs_activation_liveness_counts_the_simulators_peaks(name, p, m, v):
+    """torch 2.15's public analyze_pipeline_activation_liveness, on torch's own tables: the activations
+    each rank holds at once are the simulator's peaks (at p = m = 16, v = 4: ranks 0-7 hold all 64)."""
+    from torch.distributed.pipelining import analyze_pipeline_activation_liveness
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    cls = ScheduleInterleaved1F1B if name == "interleaved" else ScheduleInterleavedZeroBubble
+    order = {r: cls._calculate_single_rank_operations(_fake(p, m, v), r) for r in range(p)}
+    schedule = types.SimpleNamespace(pipeline_order=order, _n_microbatches=m)
+    slots = [analyze_pipeline_activation_liveness(schedule, pp_rank=r, stage_indices=[c * p + r for c in range(v)],
+                                                  granularity="stage_microbatch").num_slots for r in range(p)]
+    assert slots == cs.simulate(cs.from_torch(order, p), p, m, v).peak
+    if (p, m, v) == (16, 16, 4):
+        assert slots[:8] == [m * v] * 8
+
+
 WIDTH, DEPTH, ROWS = 16, 12, 24
 
 

@@ -19,7 +19,11 @@ TORCH_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "
 @contextlib.contextmanager
 def torch_schedules_refused():
     """While the answer runs, torch's schedules refuse to compute their order (``pipeline_order``):
-    the answer is meant to be the student's own generator, not torch's under another name."""
+    the answer is meant to be the student's own generator, not torch's under another name.
+    Only the imported module is patched: a copy of torch's code (a second import of its file,
+    its functions with their globals saved beforehand, tables computed earlier) is not seen. No
+    check can see where a table came from; the random points drawn at each call stop tables
+    computed in advance."""
     from torch.distributed.pipelining import schedules
 
     def refuse(*args, **kwargs):
@@ -76,16 +80,23 @@ def _judge(table, p, m, v, promise, law, name):
     return None
 
 
-def _random_point(points, draw):
-    while (point := draw()) in points:
-        pass
-    return [*points, point]
+def _random_points(points, draw, n=3):
+    """``points`` and ``n`` more drawn at call time (not in ``points``): an answer that looks its
+    tables up in a dict prepared for the fixed points fails on them."""
+    points = list(points)
+    for _ in range(n):
+        while (point := draw()) in points:
+            pass
+        points.append(point)
+    return points
 
 
 # ------------------------------------------------------------------ Exercise 1
 
-# (p, m, v): m a multiple of p and not, v from 1 to 4, m < p; the law is checked where m >= p.
-INTERLEAVED = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 6, 2), (2, 5, 3), (3, 7, 2), (4, 4, 4), (3, 2, 2), (2, 3, 1)]
+# (p, m, v): m a multiple of p and not, v from 1 to 4, m < p, p up to 6 and m up to 13 (a rule
+# that holds only for small p or m fails there); the law is checked where m >= p.
+INTERLEAVED = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 6, 2), (2, 5, 3), (3, 7, 2), (4, 4, 4), (3, 2, 2), (2, 3, 1),
+               (5, 10, 2), (6, 13, 2), (5, 12, 1)]
 
 
 def _first_round(p, m):
@@ -104,7 +115,7 @@ def interleaved(fn):
     """Exercise 1: the interleaved 1F1B table for p ranks, m micro-batches, v chunks per rank."""
     if not callable(fn):
         return wrong("write a function of (p, m, v) that returns the table: a list of (rank, slot, op, mb, chunk).")
-    cases = _random_point(INTERLEAVED, lambda: (random.randint(2, 5), random.randint(2, 12), random.randint(2, 3)))
+    cases = _random_points(INTERLEAVED, lambda: (random.randint(2, 8), random.randint(2, 24), random.randint(1, 4)))
     for p, m, v in cases:
         table = _table(fn, p, m, v)
         if not isinstance(table, list):
@@ -117,16 +128,17 @@ def interleaved(fn):
         if verdict is not None:
             return verdict
     return correct(
-        f"{len(cases)} pipelines (p, m, v) from (2, 3, 1) to (4, 4, 4), m a multiple of p or not, and one drawn at "
-        "random: every action once, each B after its F, no deadlock, no rank over its promised activations, and "
-        f"the bubble of the law (p - 1) / (v m + p - 1): {bubble_fraction('interleaved', 4, 8, 2):.3f} for "
-        f"p = 4, m = 8, v = 2, where 1F1B idles {bubble_fraction('1f1b', 4, 8):.3f}."
+        f"{len(cases)} pipelines, p from 2 to 6, m from 2 to 13:\n"
+        "m a multiple of p or not, v from 1 to 4, and 3 drawn at random: every action once,\n"
+        "each B after its F, no deadlock, no rank over its promised activations, and where m >= p\n"
+        f"no more idle than the law (p - 1) / (v m + p - 1): {bubble_fraction('interleaved', 4, 8, 2):.3f} "
+        f"for p = 4, m = 8, v = 2 (1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
     )
 
 
 # ------------------------------------------------------------------ Exercise 2
 
-ZERO_BUBBLE = [(2, 4), (4, 8), (3, 5), (4, 6), (3, 3), (2, 7), (4, 2)]
+ZERO_BUBBLE = [(2, 4), (4, 8), (3, 5), (4, 6), (3, 3), (2, 7), (4, 2), (5, 10), (6, 9), (6, 13)]
 
 
 @exercise(
@@ -139,7 +151,7 @@ def zero_bubble(fn):
     """Exercise 2: the ZB-H1 table (F, B, W) for p ranks and m micro-batches, one chunk per rank."""
     if not callable(fn):
         return wrong("write a function of (p, m) that returns the table: a list of (rank, slot, op, mb, chunk).")
-    cases = _random_point(ZERO_BUBBLE, lambda: (random.randint(2, 6), random.randint(2, 12)))
+    cases = _random_points(ZERO_BUBBLE, lambda: (random.randint(2, 8), random.randint(2, 24)))
     for p, m in cases:
         table = _table(fn, p, m)
         if not isinstance(table, list):
@@ -152,8 +164,9 @@ def zero_bubble(fn):
         if verdict is not None:
             return verdict
     return correct(
-        f"{len(cases)} pipelines (p, m) from (2, 4) to (4, 8), m < p too, and one drawn at random: every F, B "
-        "and W once, in order, no deadlock, no rank over p activations (1F1B's first rank), and the bubble "
-        f"(p - 1) / (3 m + p - 1): {bubble_fraction('zb-h1', 4, 8):.3f} for p = 4, m = 8 "
-        f"(1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
+        f"{len(cases)} pipelines, p from 2 to 6, m from 2 to 13 (m < p too),\n"
+        "and 3 drawn at random: every F, B and W once, in order, no deadlock,\n"
+        "no rank over p activations (1F1B's rank 0), and where m >= p no more idle than the law\n"
+        "(p - 1) / (3 m + p - 1): "
+        f"{bubble_fraction('zb-h1', 4, 8):.3f} for p = 4, m = 8 (1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
     )

@@ -3,7 +3,7 @@
 A *schedule* is a table with one row per action: ``Op(rank, slot, op, mb, chunk)``. Rank
 ``rank`` runs its rows in ``slot`` order; ``op`` is ``"F"`` (forward), ``"B"`` (backward) or
 ``"W"``; ``mb`` is the micro-batch and ``chunk`` which of the rank's ``v`` model chunks it
-runs. With ``W`` rows the backward is split in two (zero bubble, Qi et al. 2023): ``B`` is the
+runs. With ``W`` rows the backward is split in two (zero bubble, Qi et al. 2024): ``B`` is the
 input gradient, the one the previous stage waits for, and ``W`` the weight gradient, which
 nobody waits for. Without them ``B`` is the whole backward.
 
@@ -93,7 +93,7 @@ def interleaved_1f1b(p, m, v):
 
 
 def zb_h1(p, m):
-    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B and W. Rank r runs its
+    """ZB-H1 (Qi et al. 2024): 1F1B with the backward split into B and W. Rank r runs its
     first r W's at the end, where its bubble was: it holds at most p micro-batches, as 1F1B's
     rank 0 does."""
     orders = []
@@ -239,7 +239,7 @@ def from_torch(pipeline_order, p, layout="loop"):
 def bubble_fraction(schedule, p, m, v=1):
     """The idle fraction of a step by the schedule's law, F = B = W in time (1F1B's backward is
     B + W). The bubble of GPipe and 1F1B is (p - 1)(F + B + W) per rank; interleaving divides it
-    by v (Narayanan et al. 2021); ZB-H1 leaves (p - 1)(F + B - W) (Qi et al. 2023). The laws hold
+    by v (Narayanan et al. 2021); ZB-H1 leaves (p - 1)(F + B - W) (Qi et al. 2024). The laws hold
     for m >= p (with fewer micro-batches than stages every schedule idles more)."""
     work = 3 * m  # F + B + W per micro-batch, per rank
     idle = {"gpipe": 3 * (p - 1), "1f1b": 3 * (p - 1), "interleaved": 3 * (p - 1) / v, "zb-h1": p - 1}
