@@ -207,8 +207,9 @@ def balancing_loss(fn):
                          "all E experts (from the logits, not the k weights).")
         if not loss.requires_grad:
             if not routing.logits.numel():
-                return wrong(f"with {name}, the loss is a constant 0 with no graph: backward() through a "
-                             "sum of the ranks' losses then fails. Return 0 that keeps the graph "
+                return wrong(f"with {name}, the loss is a constant 0 with no graph: backward() of it "
+                             "raises (it does not require grad), yet every rank must run backward, for the "
+                             "all-to-all's backward needs them all. Return 0 that keeps the graph "
                              "(logits.sum() * 0).")
             return wrong(f"with {name}, the loss has no gradient: P_e, from the logits, carries it.")
         if routing.logits.numel():
