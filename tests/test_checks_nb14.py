@@ -136,7 +136,10 @@ def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=No
             mask = causal if attend_causal is None else attend_causal
             k_pos = layout[src] if key_positions is None else layout[rank]
             if busy_wait and step < n - 1:  # blocking: a dummy product between post and wait, then attend
-                torch.ones(2, 2) @ torch.ones(2, 2)
+                if busy_wait == "k row":  # on a one-row view of K: K's storage, but not attention's work
+                    kv[0][..., :1, :] @ kv[0][..., :1, :].mT
+                else:
+                    torch.ones(2, 2) @ torch.ones(2, 2)
                 for request in requests:
                     request.wait()
                 requests = []
@@ -298,18 +301,19 @@ def test_ring_forward_accepts_batch_isend_irecv():
         (_everyone, "chunks' K and V at once"),  # on 3 ranks both peers are neighbours; 4 buffers alive
         (_ring(pass_fn=_two_rank_pass), "compute the neighbours"),
         (_ring(pass_fn=_blocking_pass), "called dist.send"),
-        (_ring(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product"),
+        (_ring(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product on a chunk"),
         (_ring(attend_causal=False), "*without* the causal mask"),
         (_ring(key_positions="mine"), "failed: IndexError"),  # positions of another chunk: the wrong length
         (_ring(result="out"), "return a pair"),
         (_waits_twice, "waited twice for the same request"),
-        (_keep_all(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product"),
+        (_keep_all(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product on a chunk"),
         (_keep_all(overlap=True), "chunks' K and V at once"),
         (_c10d_all_gather, "called dist.all_gather"),
         (_own_chunk_only, "no isend/irecv seen"),
         (_ring(merge_fn=_merge_without_the_max), "has inf or nan"),
         (_ring(keep_clones=True), "(receive buffers, stacks, clones: any copy)"),
-        (_ring(busy_wait=True), "no matrix product on keys or values"),
+        (_ring(busy_wait=True), "no matrix product on a chunk's keys or values"),
+        (_ring(busy_wait="k row"), "a product on a few rows of K is not attention"),
         (_ring(shape_of=lambda k, layout, src, n: (2, *k.shape[:-2], len(layout[src]), k.shape[-1])),
          "receive buffer number"),  # the shape of the chunk held, not of the one arriving: uneven chunks differ
     ],

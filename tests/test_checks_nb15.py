@@ -43,11 +43,14 @@ def _route_with(top=None, weights="top-k softmax", capacity="right"):
     def route(router, x, k, capacity_factor=None):
         logits = router(x)
         scores, experts = logits.topk(top or k, dim=-1)
-        w = scores.softmax(-1) if weights == "top-k softmax" else logits.softmax(-1).gather(-1, experts)
+        w = logits.softmax(-1).gather(-1, experts) if weights == "all experts" else scores.softmax(-1)
         keep = torch.ones_like(experts, dtype=torch.bool)
         if capacity_factor is not None and capacity != "ignored":
             per = x.shape[0] * (k if capacity == "right" else 1)
             keep = ep.within_capacity(experts, logits.shape[-1], math.ceil(capacity_factor * per / logits.shape[-1]))
+        if weights == "kept only":  # renormalised over the kept assignments
+            w = w * keep
+            w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
         return ep.Routing(experts, w, keep, logits)
 
     return route
@@ -65,6 +68,7 @@ def test_routing_accepts_the_course_functions():
         (ep.route, _token_order, "first choices of"),
         (_route_with(top=1), ep.within_capacity, "top-1 for top-2"),
         (_route_with(weights="all experts"), ep.within_capacity, "not the softmax over all experts"),
+        (_route_with(weights="kept only"), ep.within_capacity, "renormalised over the kept assignments"),
         (_route_with(capacity="ignored"), ep.within_capacity, "every assignment was kept"),
         (_route_with(capacity="without k"), ep.within_capacity, "ceil(capacity_factor x tokens x k / experts)"),
     ],
@@ -77,13 +81,17 @@ def test_routing_rejects_wrong_answers(route, within_capacity, hint):
 # ------------------------------------------------------------------ Exercise 2: the load-balancing loss
 
 
-def _aux(divide_by="assignments", times_e=True, p_from="logits", straight_through=False, guard_empty=True):
+def _aux(divide_by="assignments", times_e=True, p_from="logits", straight_through=False, guard_empty=True,
+         count="all"):
     def load_balancing_loss(routing):
         n_experts = routing.logits.shape[-1]
+        if guard_empty == "constant" and routing.experts.numel() == 0:
+            return torch.tensor(0.0, dtype=routing.logits.dtype)  # right value, no graph
         if guard_empty and routing.experts.numel() == 0:
             return routing.logits.sum() * 0
-        counts = F.one_hot(routing.experts, n_experts).sum((0, 1)).to(routing.logits.dtype)
-        f = counts / (routing.experts.numel() if divide_by == "assignments" else routing.experts.shape[0])
+        experts = routing.experts[routing.keep][:, None] if count == "kept" else routing.experts
+        counts = F.one_hot(experts, n_experts).sum((0, 1)).to(routing.logits.dtype)
+        f = counts / (experts.numel() if divide_by == "assignments" else experts.shape[0])
         if p_from == "logits":
             p = routing.logits.softmax(-1).mean(0)
         else:  # the k weights, scattered to their experts
@@ -103,7 +111,9 @@ def test_balancing_loss_accepts_the_course_function():
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_aux(divide_by="tokens"), "k = 2 times too large"),
+        (_aux(divide_by="tokens"), "k = 2 times the course's"),
+        (_aux(count="kept"), "counts only the kept assignments"),
+        (_aux(guard_empty="constant"), "a constant 0 with no graph"),
         (_aux(times_e=False), "times too small: multiply by E"),
         (_aux(p_from="weights"), "not the k weights"),
         (_aux(straight_through=True), "the value is right but the gradient is not"),

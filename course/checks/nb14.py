@@ -136,15 +136,16 @@ MOST_KV_HELD = 3  # chunks: the one computed on, the one arriving, and attend's 
 
 
 class _Watch(TorchDispatchMode):
-    """Logs the ops a rank runs. A matrix product with the keys or values among its operands is the
-    attention's work ("compute"; a product of other tensors is not). At each one it measures how many
+    """Logs the ops a rank runs. A matrix product with a chunk's keys or values among its operands is
+    the attention's work ("compute"; a product of other tensors, or of a few rows of K, is not). At each one it measures how many
     chunks' worth of K/V values the tensors created so far and still alive hold (whatever made them:
     a receive buffer, a stack, a clone), and it keeps the largest number of tokens any (..., tokens, DIM)
     tensor held. K/V values are recognised by value: the inputs are random floats, and a copy keeps them."""
 
-    def __init__(self, log, kv_values, chunk_values, receiving):
+    def __init__(self, log, kv_values, chunk_values, smallest_k, receiving):
         super().__init__()
         self.log, self.kv_values, self.chunk_values = log, kv_values, chunk_values
+        self.smallest_k = smallest_k
         self.created, self.receiving, self.most_tokens, self.most_held = [], receiving, 0, 0
 
     def _kv_count(self, tensor):
@@ -153,6 +154,13 @@ class _Watch(TorchDispatchMode):
             return storage.data_ptr(), 0
         values = torch.empty(0).set_(storage).tolist()
         return storage.data_ptr(), sum(x in self.kv_values for x in values)
+
+    def _kv_in(self, tensor):
+        """How many K/V values the tensor itself holds (not its storage: a one-row view of K
+        has K's storage but one row's values)."""
+        if tensor.dtype != torch.float32:
+            return 0
+        return sum(x in self.kv_values for x in tensor.detach().flatten().tolist())
 
     def _held(self):
         alive = [t for ref in self.created + self.receiving if (t := ref()) is not None]
@@ -163,7 +171,8 @@ class _Watch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
         if ("mm" in name or "scaled_dot_product" in name) and any(
-                isinstance(a, torch.Tensor) and self._kv_count(a)[1] >= a.numel() // 2 > 0 for a in args):
+                isinstance(a, torch.Tensor) and self._kv_count(a)[1] >= a.numel() // 2 > 0
+                and self._kv_in(a) >= self.smallest_k for a in args):
             self.log.append(("compute",))
             self.most_held = max(self.most_held, self._held())
         for t in out if isinstance(out, (tuple, list)) else [out]:
@@ -231,7 +240,8 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name, sca
     patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
     kv_values = set(torch.cat([k.flatten(), v.flatten()]).tolist())
     chunk_values = 2 * k[..., :1, :].numel() * max(len(p) for p in layout)  # one rank's K and V at most
-    watch = _Watch(log, kv_values, chunk_values, receiving)
+    smallest_k = k[..., :1, :].numel() * min(len(p) for p in layout)  # the K of the smallest chunk
+    watch = _Watch(log, kv_values, chunk_values, smallest_k, receiving)
     local = [t[..., mine, :].clone() for t in (q, k, v)]
     with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
         for name, replacement in patches:  # torch.distributed's names, the answer's, and distributed_c10d's
@@ -280,7 +290,7 @@ def _mismatched_transfer(transfers, world_size):
 
 def _overlapped(log):
     """Every receive was in flight while attention ran: between posting each irecv and waiting for
-    it, the rank ran a matrix product on keys or values (the chunk it holds). Only meaningful without
+    it, the rank ran a matrix product on a chunk's keys or values. Only meaningful without
     a causal mask: with one, a chunk that no query of this rank sees costs no product at all."""
     posted, computed = set(), set()
     for event in log:
@@ -347,7 +357,8 @@ def _judge_ring(results, world_size, seq_len, causal, layout_name, scale):
         return wrong(f"with {case} the output is right but lse is not: return the merged log-sum-exp.")
     if not causal and not all(_overlapped(r["log"]) for r in results):
         return wrong("the result is right, but a chunk arrived while nothing was computed: between posting each "
-                     "irecv and waiting for it the check saw no matrix product on keys or values. Post the isend/irecv of the next "
+                     "irecv and waiting for it the check saw no matrix product on a chunk's keys or values "
+                     "(a product on a few rows of K is not attention). Post the isend/irecv of the next "
                      "chunk *before* calling attend on the current one, and wait after.")
     return None
 

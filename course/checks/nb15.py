@@ -92,6 +92,12 @@ def _judge_route(route, seed):
         keep = got.keep.bool().gather(-1, order) if got.keep.shape == got.experts.shape else got.keep
         want_order = want.experts.argsort(-1)
         if weights.shape != want.weights.shape or not torch.allclose(weights, want.weights.gather(-1, want_order), atol=1e-6):
+            kept = want.weights * want.keep
+            kept = (kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)).gather(-1, want_order)
+            if not want.keep.all() and weights.shape == kept.shape and torch.allclose(weights, kept, atol=1e-6):
+                return wrong(f"with {case}, the weights were renormalised over the kept assignments: a token's k "
+                             "weights are the softmax of its k scores, whether or not the capacity drops one "
+                             "(a dropped assignment's share is lost, its output 0).")
             return wrong(f"with {case}, the weights differ: a token's k weights are the softmax of its k scores "
                          "(they sum to 1), not the softmax over all experts.")
         if keep.shape != want.keep.shape or not torch.equal(keep, want.keep.gather(-1, want_order)):
@@ -127,7 +133,7 @@ def routing(route, within_capacity):
 
 def _routings(seed):
     """(name, Routing with leaf logits): top-1 and top-2, 4 and 8 experts, a skewed router, an exactly even
-    load (f_e = P_e = 1/E: the loss is 1), and a rank with no tokens."""
+    load (f_e = P_e = 1/E: the loss is 1), assignments dropped by the capacity, and a rank with no tokens."""
     g = torch.Generator().manual_seed(seed)
     cases = []
     for name, tokens, k, n_experts, skew in (("top-2 of 4 experts", 12, 2, 4, 0.0), ("top-1 of 8 experts", 16, 1, 8, 0.0),
@@ -137,6 +143,9 @@ def _routings(seed):
         cases.append((name, logits.requires_grad_(), k))
     even = torch.zeros(8, 4, dtype=torch.float64)  # equal scores: P_e = 1/4; top-1 by hand below: f_e = 1/4
     cases.append(("an even load", even.requires_grad_(), 1))
+    skewed = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    skewed[:, 0] += 2.0  # most first choices on expert 0, beyond its capacity: assignments dropped
+    cases.append(("top-2 of 4, capacity 4 (assignments dropped)", skewed.requires_grad_(), 2))
     cases.append(("a rank with no tokens", torch.zeros(0, 4, dtype=torch.float64, requires_grad=True), 2))
     routings = []
     for name, logits, k in cases:
@@ -145,7 +154,11 @@ def _routings(seed):
         else:
             experts = logits.detach().topk(k, dim=-1).indices
         weights = logits.detach().gather(-1, experts).softmax(-1)
-        routings.append((name, ep.Routing(experts, weights, torch.ones_like(experts, dtype=torch.bool), logits)))
+        keep = torch.ones_like(experts, dtype=torch.bool)
+        if "dropped" in name:  # f counts every assignment, kept or dropped: the router's choices
+            keep = ep.within_capacity(experts, logits.shape[-1], 4)  # 16 places for 24
+            assert not keep.all()
+        routings.append((name, ep.Routing(experts, weights, keep, logits)))
     return routings
 
 
@@ -175,18 +188,32 @@ def balancing_loss(fn):
         if not torch.allclose(loss.double(), want, atol=1e-9):
             n_experts, k = routing.logits.shape[-1], routing.experts.shape[-1]
             if k > 1 and torch.allclose(loss.double(), k * want, atol=1e-9):
-                return wrong(f"with {name}, the loss is k = {k} times too large: f_e is the fraction of all "
-                             "tokens x k assignments, so that the f_e sum to 1.")
+                return wrong(f"with {name}, the loss is k = {k} times the course's: here f_e is the fraction of "
+                             "all tokens x k assignments, so that the f_e sum to 1 and an even load gives 1. Some "
+                             "implementations divide by the tokens only (Hugging Face's Mixtral load-balancing "
+                             "loss: an even load gives k there); this exercise asks for the course's.")
+            if not routing.keep.all():
+                kept = ep.Routing(routing.experts[routing.keep][:, None], routing.weights, routing.keep,
+                                  routing.logits)
+                if torch.allclose(loss.double(), guard.original(ep.load_balancing_loss)(kept), atol=1e-9):
+                    return wrong(f"with {name}, your f_e counts only the kept assignments: f_e is where the "
+                                 "router sends them, all tokens x k, dropped or not (the loss is there to "
+                                 "teach the router to spread the load, so that fewer are dropped).")
             if torch.allclose(loss.double() * n_experts, want, atol=1e-9):
                 return wrong(f"with {name}, the loss is E = {n_experts} times too small: multiply by E, so that an "
                              "even load gives 1.")
             return wrong(f"with {name}, the loss is {loss.item():.4f}, not {want.item():.4f}: E * sum_e f_e P_e, "
                          "f_e the fraction of assignments to expert e, P_e the mean of the router's softmax over "
                          "all E experts (from the logits, not the k weights).")
+        if not loss.requires_grad:
+            if not routing.logits.numel():
+                return wrong(f"with {name}, the loss is a constant 0 with no graph: backward() of it "
+                             "raises (it does not require grad), yet every rank must run backward, for the "
+                             "all-to-all's backward needs them all. Return 0 that keeps the graph "
+                             "(logits.sum() * 0).")
+            return wrong(f"with {name}, the loss has no gradient: P_e, from the logits, carries it.")
         if routing.logits.numel():
             want.backward()
-            if not loss.requires_grad:
-                return wrong(f"with {name}, the loss has no gradient: P_e, from the logits, carries it.")
             loss.backward()
             if mine.logits.grad is None or not torch.allclose(mine.logits.grad, routing.logits.grad, atol=1e-9):
                 return wrong(f"with {name}, the value is right but the gradient is not: f_e is a count (no "
@@ -496,7 +523,7 @@ def compare_training(results, moe):
     finished=("course.parallel.expert_parallel.sync_gradients",),
 )
 def ep_dp_sync(sync):
-    """Exercise 5: fix the gradient sync; trained on 2x2, 1x2 and 1x4 meshes (dp x ep) it must match one process."""
+    """Exercise 5: fix the gradient sync; trained on 2x2, 2x1 and 1x4 meshes (dp x ep) it must match one process."""
     for world_size, dp in SYNC_MESHES:
         mesh = f"{dp} x {world_size // dp} mesh (dp x ep)"
         try:
