@@ -2,7 +2,7 @@
 
     python benchmarks/guard_cost.py [--repeats 30]
 
-Per exercise of notebooks 11, 14, 15 and 16: the time of what ``Exercise.__call__`` does
+Per exercise that names finished versions (notebooks 11 on): the time of what ``Exercise.__call__`` does
 around the judge, ``guard.refused`` (the answer and what its code names) and entering and
 leaving ``guard.guarding`` (the finished versions, the copies kept where the answer and the
 notebook can reach them, the reload finder), median over repeats, as wall time and as this
@@ -22,7 +22,8 @@ import common  # noqa: E402
 
 import torch  # noqa: E402
 
-from course.checks import nb11, nb14, nb15, nb16  # noqa: E402
+import course.checks  # noqa: E402
+from course.classroom.exercises import Exercise  # noqa: E402
 from course.classroom import guard  # noqa: E402
 
 
@@ -41,6 +42,18 @@ def _notebook_state():
     return main["answer"]
 
 
+def _guarded_exercises():
+    """Every exercise of every check module that names the course's finished versions."""
+    import importlib
+    import pkgutil
+
+    for info in sorted(pkgutil.iter_modules(course.checks.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"course.checks.{info.name}")
+        for ex in vars(module).values():
+            if isinstance(ex, Exercise) and ex.finished:
+                yield ex
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -48,9 +61,8 @@ def main():
     common.header("course.classroom.guard: refused + guarding per check")
     answer = _notebook_state()
     rows = []
-    for ex in (nb11.zero1_step, nb11.fully_shard_by_hand, nb11.scaled_step, nb14.merge, nb14.ring_forward,
-               nb14.zigzag_layout, nb15.dispatch_combine, nb15.ep_dp_sync, nb16.mesh_groups):
-        answers = (answer,) * len(ex.finished[:2] if ex is nb15.dispatch_combine else ex.finished[:1])
+    for ex in _guarded_exercises():
+        answers = (answer,)
 
         def around_the_judge():
             assert all(guard.refused(a, ex.finished) is None for a in answers)

@@ -18,6 +18,7 @@ CASES = {
     "tracer_overhead.py": (["--quick"], "traced ms/step"),
     "notebook_times.py": (["{tmp}/tiny.ipynb"], "tiny.ipynb"),
     "grading_overhead.py": (["--quick"], "not sandboxed"),
+    "guard_cost.py": (["--repeats", "1"], "finished versions"),
 }
 
 

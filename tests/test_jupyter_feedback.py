@@ -144,7 +144,7 @@ def test_an_answer_that_raises_inside_a_check_is_a_verdict_with_the_cell_line(ke
     messages = _run(kernel, "from course.checks import nb15\nnb15.bytes_sent(bytes_sent)")
     assert not [c for _, kind, c in messages if kind == "error"]
     plain = next(c["data"] for _, kind, c in messages if kind == "execute_result")["text/plain"]
-    assert plain.startswith("❌ Exercise 2 (bytes sent): not yet: your code raised NameError: name 'to_other' is not "
+    assert plain.startswith("❌ Exercise 4 (bytes sent): not yet: your code raised NameError: name 'to_other' is not "
                             f"defined (in your code at Cell In[{count}], line 3, in bytes_sent). Hint: "), plain
     assert not any(internal in plain for internal in ("exercises.py", "nb15.py", "guard", "Traceback")), plain
 
