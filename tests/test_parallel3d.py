@@ -103,6 +103,11 @@ def test_activation_coefficient_is_measured_from_the_saved_tensors():
     # which keeps fp32 copies of its input; a band around both would not tell them apart
     assert llama == pytest.approx(41.03, abs=0.01)
     assert planner.activation_coefficient(planner.LLAMA3_8B, kernels="cpu") == pytest.approx(53.53, abs=0.01)
+    # the norms are all of the difference, and it is the code, not the device: a hand-written fp32 RMSNorm on CUDA
+    bare = dataclasses.replace(planner.LLAMA3_8B, norms=False)
+    assert planner.activation_coefficient(bare, kernels="cpu") == pytest.approx(
+        planner.activation_coefficient(bare, head_dim=8), abs=0.01)
+    assert planner.activation_coefficient(planner.LLAMA3_8B, fp32_norm=True) == pytest.approx(49.03, abs=0.01)
     assert abs(planner.activation_coefficient(planner.LLAMA3_70B) - llama) < 2
 
 

@@ -205,7 +205,7 @@ def stage_params(model: Model, tp: int, pp: int, stage: int, ends: bool = True) 
     return params
 
 
-def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool):
+def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool, fp32_norm: bool = False):
     """One bf16 block of ``model``'s shape with ``head_dim``-wide heads: (forward, its modules, input)."""
     import torch
     import torch.nn.functional as F
@@ -214,7 +214,13 @@ def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool):
     h, kv = model.heads * head_dim, model.kv_heads * head_dim
     f = round(model.ffn / model.hidden * h)
     make = dict(dtype=torch.bfloat16, device=device)
-    norm = (lambda: nn.RMSNorm(h, **make)) if model.norms else nn.Identity
+
+    class Fp32RMSNorm(nn.RMSNorm):  # written by hand, in fp32 (torchtitan's Llama of 2024, models/norms.py)
+        def forward(self, t):
+            u = t.float()
+            return (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(t) * self.weight
+
+    norm = (lambda: (Fp32RMSNorm if fp32_norm else nn.RMSNorm)(h, **make)) if model.norms else nn.Identity
     linear = functools.partial(nn.Linear, bias=model.bias, **make)
     n1, n2 = norm(), norm()
     q, k, v, o = linear(h, h), linear(h, kv), linear(h, kv), linear(h, h)
@@ -268,7 +274,8 @@ def selective_policy():
 
 @functools.lru_cache(maxsize=None)
 def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str = "none",
-                           repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None):
+                           repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None,
+                           fp32_norm: bool = False):
     """Bytes one layer of ``model`` keeps for backward, per token and per hidden feature (its input
     included), measured on one bf16 block of the model's shape, on ``kernels``:
 
@@ -283,14 +290,15 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
     * ``"cpu"``: the block really runs on this machine, scaled down to 8-wide heads. CPU's RMSNorm
       in bf16 is a composite that saves fp32 copies of its input: all of the difference (without
       norms both give 37.50). It is the model's code and torch's dispatch, not the device: a
-      hand-written RMSNorm that casts to fp32 keeps fp32 copies on CUDA too.
+      hand-written RMSNorm that casts to fp32 keeps fp32 copies on CUDA too (``fp32_norm``).
 
     ``recompute="none"``: ``saved_tensors_hooks`` see every tensor autograd keeps (each storage
     once, weights left out). ``"selective"`` / ``"full"``: the block runs under
     ``torch.utils.checkpoint`` (with :func:`selective_policy` / without a policy), and
     :class:`~course.observe.memory.LiveBytes` counts the storages still alive after forward, less
     the output. ``repeat_kv``: K and V repeated to every head before attention (torchtitan's Llama
-    in 2024) instead of grouped-query attention."""
+    in 2024) instead of grouped-query attention. ``fp32_norm``: RMSNorm written by hand, casting to
+    fp32 (torchtitan's Llama in 2024), in place of ``nn.RMSNorm``."""
     import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -309,7 +317,7 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         fake = FakeTensorMode()
         fake.__enter__()
     try:
-        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv)
+        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv, fp32_norm)
         width = seq * model.heads * head_dim
         if recompute == "none":
             saved, _ = saved_activation_bytes(block, modules, x)  # the input: kept by norm 1
