@@ -173,3 +173,25 @@ def test_activation_bytes_rejects_wrong_answers(answer, hint):
 def test_config_refuses_impossible_values(bad):
     with pytest.raises(ValueError, match="Config:"):
         Config(**bad)
+
+
+# The check's own references answer Exercises 2 and 3 as well as the package's finished versions do: they are
+# private, not advertised by the notebook, and refused like the package's (finished=), in every form.
+@pytest.mark.parametrize(
+    "check, answer",
+    [
+        (nb17.state_gb, nb17._state_gb),
+        (nb17.state_gb, lambda p, z, d: nb17._state_gb(p, z, d)),
+        (nb17.activation_bytes, nb17._activations),
+        (nb17.activation_bytes, lambda *a: nb17._activations(*a)),
+    ],
+)
+def test_the_checks_own_references_are_refused(check, answer):
+    feedback = check(answer)
+    assert feedback.status == "wrong" and "course's own" in feedback.message, feedback
+
+
+def test_the_references_are_private_and_work_outside_a_check():
+    assert not [name for name in vars(nb17) if name.startswith("reference_") and callable(getattr(nb17, name))
+                and name != "reference_groups"]
+    assert nb17._state_gb(1_000_000, 0, 4) == pytest.approx(0.016)  # unguarded once the check is over

@@ -64,9 +64,9 @@ def test_uneven_stages_are_one_layer_shorter_at_the_ends():
 
 
 def test_bubble_per_schedule():
-    assert planner.bubble("1f1b", 4, 8) == 3 / 8 == planner.bubble("gpipe", 4, 8)
-    assert planner.bubble("interleaved", 4, 8, v=2) == 3 / 16
-    assert planner.bubble("zb-h1", 4, 8) == 1 / 8
+    assert planner.bubble("1f1b", 4, 8) == pytest.approx(3 / 8) == planner.bubble("gpipe", 4, 8)
+    assert planner.bubble("interleaved", 4, 8, v=2) == pytest.approx(3 / 16)
+    assert planner.bubble("zb-h1", 4, 8) == pytest.approx(1 / 8)
     assert planner.bubble("1f1b", 1, 8) == 0
     with pytest.raises(ValueError):
         planner.bubble("zb-v", 4, 8)
@@ -181,3 +181,15 @@ def test_validation_against_published_runs():
 def test_llama3_405b_as_meta_ran_it_fits_and_is_near_the_best():
     meta = planner.llama3_405b_check()
     assert meta["config"].gpus == 16384 and meta["fits"] and 1 <= meta["slower"] < 1.10
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_bubble_is_the_schedules_notebooks_fraction_relative_to_compute(schedule):
+    # planner.bubble is idle / compute; schedules.bubble_fraction is idle / (compute + idle): the same law
+    from course.parallel.schedules import bubble_fraction
+
+    for p, m, v in [(2, 4, 1), (4, 8, 2), (8, 16, 4), (16, 32, 4), (3, 7, 1)]:
+        per_schedule = {"gpipe": 1, "1f1b": 1, "interleaved": v, "zb-h1": 3}[schedule]
+        ratio = planner.bubble(schedule, p, m, v)
+        assert ratio == pytest.approx((p - 1) / m / per_schedule)
+        assert bubble_fraction(schedule, p, m, v) == pytest.approx(ratio / (1 + ratio))

@@ -55,7 +55,7 @@ def mesh_groups(fn):
                     return wrong("your tp groups are the dp groups: tp varies fastest (neighbouring ranks, one node), "
                                  "dp slowest.")
                 return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups should be {expected[dim]}, not {groups}.")
-    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes, from 1 x 1 x 1 to 4 x 2 x 1, and one "
+    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes,\nfrom 1 x 1 x 1 to 4 x 2 x 1, and one "
                    "drawn at random: the lists DeviceMesh makes on 8 ranks below.")
 
 
@@ -66,8 +66,9 @@ def _is_number(answer):
     return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
 
 
-def reference_state_gb(params, zero, dp):
-    """bf16 weights (2 bytes) and gradients (2) and fp32 master weights + Adam (12) per parameter, each
+def _state_gb(params, zero, dp):
+    """The reference (private; refused as an answer while a check runs: ``finished=``).
+    bf16 weights (2 bytes) and gradients (2) and fp32 master weights + Adam (12) per parameter, each
     split over the ``dp`` ranks from the ZeRO stage that shards it on."""
     return (2 / (dp if zero >= 3 else 1) + 2 / (dp if zero >= 2 else 1) + 12 / (dp if zero >= 1 else 1)) * params / 1e9
 
@@ -76,10 +77,11 @@ def reference_state_gb(params, zero, dp):
     "Exercise 2 (where the memory goes)",
     hint="per parameter: bf16 weights (2 bytes), bf16 gradients (2 bytes), fp32 master weights and Adam's two "
     "moments (12 bytes). ZeRO-1 splits the 12 over the dp ranks, ZeRO-2 the gradients too, ZeRO-3 also the weights.",
-    finished=("course.parallel.planner.memory",),
+    finished=("course.parallel.planner.memory", "course.checks.nb17._state_gb"),
 )
 def state_gb(fn):
     """Exercise 2: ``fn(params, zero, dp)`` -> GB per GPU of weights + gradients + optimizer state."""
+    reference_state_gb = guard.original(_state_gb)  # guarded while the check runs: it would pass as an answer
     rng = random.Random()
     cases = [(LLAMA3_8B.params(), 1, 8), (LLAMA3_70B.params(), 3, 64), (1_000_000, 0, 4), (1_000_000, 2, 4)]
     cases += [(rng.randrange(10**6, 10**12), rng.randint(0, 3), rng.randint(2, 4096)) for _ in range(20)]
@@ -109,15 +111,16 @@ def state_gb(fn):
             return wrong(where + "That is another ZeRO stage's split: count which of the three parts stage "
                          f"{zero} shards.")
         return wrong(where + "See the hint.")
-    return correct(f"{len(cases)} cases, 20 of them drawn at random; Llama-3 8B with ZeRO-1 on 8 GPUs: "
+    return correct(f"{len(cases)} cases, 20 of them drawn at random;\nLlama-3 8B with ZeRO-1 on 8 GPUs: "
                    f"{reference_state_gb(LLAMA3_8B.params(), 1, 8):.1f} GB before a single activation.")
 
 
 # ------------------------------------------------------------------ Exercise 3
 
 
-def reference_activations(model, config, seq, global_batch, stage, c):
-    """The layers' activations on pipeline stage ``stage`` under 1F1B, without recomputation."""
+def _activations(model, config, seq, global_batch, stage, c):
+    """The reference (private; refused as an answer while a check runs: ``finished=``).
+    The layers' activations on pipeline stage ``stage`` under 1F1B, without recomputation."""
     per_layer = c * seq * config.micro_batch * model.hidden / ((config.tp if config.sp else 1) * config.cp)
     held = min(config.pp - stage, micro_batches(config, global_batch))
     return per_layer * stage_layers(model, config.pp, stage) * held
@@ -145,6 +148,7 @@ CASES3 = [  # (model, config, seq, global batch, stage, c): hand cases
 def _mistakes(model, config, seq, global_batch, stage, c):
     """What plausible wrong versions of the activation term give, each with what to say."""
     m, layers = micro_batches(config, global_batch), stage_layers(model, config.pp, stage)
+    reference_activations = guard.original(_activations)
     right = reference_activations(model, config, seq, global_batch, stage, c)
     held = min(config.pp - stage, m)
     return [
@@ -167,11 +171,12 @@ def _mistakes(model, config, seq, global_batch, stage, c):
     "parallelism (config.sp) and over cp. A stage holds stage_layers(model, pp, stage) layers; under 1F1B stage p "
     "has started pp - p micro-batches before its first backward, but never more than the step has "
     "(micro_batches(config, global_batch)).",
-    finished=("course.parallel.planner.memory", "course.parallel.planner.in_flight"),
+    finished=("course.parallel.planner.memory", "course.parallel.planner.in_flight", "course.checks.nb17._activations"),
 )
 def activation_bytes(fn):
     """Exercise 3: ``fn(model, config, seq, global_batch, stage, c)`` -> bytes of the layers' activations that
     pipeline stage ``stage`` holds at its peak under 1F1B, without recomputation (no logits)."""
+    reference_activations = guard.original(_activations)  # guarded while the check runs: it would pass as an answer
     rng = random.Random()
     cases = CASES3 + [_random_case(rng) for _ in range(40)]
     answers = []
@@ -186,8 +191,8 @@ def activation_bytes(fn):
     same = lambda a, b: abs(a - b) <= 1e-9 * abs(b)  # noqa: E731
     wrong_at = [i for i, (case, a) in enumerate(zip(cases, answers)) if not same(a, reference_activations(*case))]
     if not wrong_at:
-        return correct(f"{len(CASES3)} hand cases and 40 drawn at random (8B to 405B, uneven stages, SP on and off, "
-                       "CP, fewer micro-batches than stages): the memory model's activation term.")
+        return correct(f"{len(CASES3)} hand cases and 40 drawn at random\n(8B to 405B, uneven stages, SP on and off, "
+                       "CP, fewer micro-batches than stages):\nthe memory model's activation term.")
     model, config, seq, batch, stage, c = cases[wrong_at[0]]
     where = (f"{model.name}, dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} b={config.micro_batch} "
              f"sp={config.sp}, {batch} sequences of {seq}, stage {stage}, c = {c:.3g}: ")

@@ -69,6 +69,8 @@ import functools
 import itertools
 from dataclasses import dataclass
 
+from course.parallel.schedules import bubble_fraction
+
 RECOMPUTE = ("none", "selective", "full")
 # bytes per logit at the loss's peak: the bf16 logits, their fp32 copy and the fp32 log-softmax that
 # cross-entropy saves (the gradient, fp32, later replaces the copy): torchtitan's loss on bf16 logits
@@ -203,7 +205,7 @@ def stage_params(model: Model, tp: int, pp: int, stage: int, ends: bool = True) 
     return params
 
 
-def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool):
+def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool, fp32_norm: bool = False):
     """One bf16 block of ``model``'s shape with ``head_dim``-wide heads: (forward, its modules, input)."""
     import torch
     import torch.nn.functional as F
@@ -212,7 +214,13 @@ def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool):
     h, kv = model.heads * head_dim, model.kv_heads * head_dim
     f = round(model.ffn / model.hidden * h)
     make = dict(dtype=torch.bfloat16, device=device)
-    norm = (lambda: nn.RMSNorm(h, **make)) if model.norms else nn.Identity
+
+    class Fp32RMSNorm(nn.RMSNorm):  # written by hand, in fp32 (torchtitan's Llama of 2024, models/norms.py)
+        def forward(self, t):
+            u = t.float()
+            return (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(t) * self.weight
+
+    norm = (lambda: (Fp32RMSNorm if fp32_norm else nn.RMSNorm)(h, **make)) if model.norms else nn.Identity
     linear = functools.partial(nn.Linear, bias=model.bias, **make)
     n1, n2 = norm(), norm()
     q, k, v, o = linear(h, h), linear(h, kv), linear(h, kv), linear(h, h)
@@ -266,7 +274,8 @@ def selective_policy():
 
 @functools.lru_cache(maxsize=None)
 def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str = "none",
-                           repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None):
+                           repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None,
+                           fp32_norm: bool = False):
     """Bytes one layer of ``model`` keeps for backward, per token and per hidden feature (its input
     included), measured on one bf16 block of the model's shape, on ``kernels``:
 
@@ -279,14 +288,17 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
       Functions.h, torch 2.15). Heads have their real width (``head_dim=None``): nothing is
       computed.
     * ``"cpu"``: the block really runs on this machine, scaled down to 8-wide heads. CPU's RMSNorm
-      in bf16 is a composite that saves fp32 copies of its input, which is most of the difference.
+      in bf16 is a composite that saves fp32 copies of its input: all of the difference (without
+      norms both give 37.50). It is the model's code and torch's dispatch, not the device: a
+      hand-written RMSNorm that casts to fp32 keeps fp32 copies on CUDA too (``fp32_norm``).
 
     ``recompute="none"``: ``saved_tensors_hooks`` see every tensor autograd keeps (each storage
     once, weights left out). ``"selective"`` / ``"full"``: the block runs under
     ``torch.utils.checkpoint`` (with :func:`selective_policy` / without a policy), and
     :class:`~course.observe.memory.LiveBytes` counts the storages still alive after forward, less
     the output. ``repeat_kv``: K and V repeated to every head before attention (torchtitan's Llama
-    in 2024) instead of grouped-query attention."""
+    in 2024) instead of grouped-query attention. ``fp32_norm``: RMSNorm written by hand, casting to
+    fp32 (torchtitan's Llama in 2024), in place of ``nn.RMSNorm``."""
     import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -305,7 +317,7 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         fake = FakeTensorMode()
         fake.__enter__()
     try:
-        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv)
+        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv, fp32_norm)
         width = seq * model.heads * head_dim
         if recompute == "none":
             saved, _ = saved_activation_bytes(block, modules, x)  # the input: kept by norm 1
@@ -325,16 +337,17 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
 
 def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """The pipeline's idle time as a fraction of its ideal compute time (a model, equal forward,
-    input-gradient and weight-gradient times). GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal
-    ratio); interleaved with ``v`` chunks per rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1:
-    Qi et al. 2023 (*Zero Bubble Pipeline Parallelism*) give the bubble as ``(p-1)(T_F + T_B - T_W)``
-    against 1F1B's ``(p-1)(T_F + T_B + T_W)``, so with ``T_F = T_B = T_W`` a third of 1F1B's:
-    ``(p-1)/(3m)``. (The lead may later route this to ``course.parallel.schedules.bubble_fraction``.)"""
+    input-gradient and weight-gradient times): ``f / (1 - f)`` of the schedules notebook's
+    :func:`~course.parallel.schedules.bubble_fraction` ``f``, the idle fraction of the whole step.
+    GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal ratio); interleaved with ``v`` chunks per
+    rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023): a third of 1F1B's,
+    ``(p-1)/(3m)``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is one of {SCHEDULES}, not {schedule!r}")
     if pp < 1 or m < 1 or v < 1:
         raise ValueError(f"pp, m and v are >= 1, not {pp}, {m}, {v}")
-    return (pp - 1) / m / {"gpipe": 1, "1f1b": 1, "interleaved": v, "zb-h1": 3}[schedule]
+    idle = bubble_fraction(schedule, pp, m, v)  # idle / (compute + idle)
+    return idle / (1 - idle)
 
 
 def in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> float:
@@ -544,11 +557,11 @@ def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)) -
 
 
 GiB = 2**30
-# Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, 96 GB H100s, sequences of 8192
-# tokens, its default for Llama 3 8B/70B/405B): (run, model, GPUs, configuration, global batch, GiB per GPU, why
-# the model does not cover it or None). torchtitan reports torch.cuda.max_memory_reserved
-# (torchtitan/components/metrics.py:531), which is above what the tensors hold by what the caching allocator
-# keeps in reserve; the model predicts the tensors' bytes.
+# Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, 96 GB H100s; sequences of 8192
+# tokens: seq_len in train_configs/llama3_{8b,70b,405b}.toml at the commit it names, 9dec370): (run, model, GPUs,
+# configuration, global batch, GiB per GPU, why the model does not cover it or None). torchtitan reports
+# torch.cuda.max_memory_reserved (torchtitan/components/metrics.py:531); the model predicts the tensors' bytes.
+# FSDP under PP is ZeRO-2 here: torchtitan does not reshard the weights after forward under a pipeline.
 PUBLISHED = [
     ("8B FSDP 8, selective AC (T1)", LLAMA3_8B, 8, Config(dp=8, zero=3, micro_batch=2, recompute="selective"),
      16, 82.4, None),
@@ -557,13 +570,13 @@ PUBLISHED = [
     ("8B FSDP 128, selective AC (T3)", LLAMA3_8B, 128, Config(dp=128, zero=3, micro_batch=2, recompute="selective"),
      256, 67.0, None),
     ("70B FSDP 32 x TP 8, full AC (T4)", LLAMA3_70B, 256, Config(dp=32, tp=8, zero=3, micro_batch=16, recompute="full"),
-     512, 71.9, "Float8, torch.compile"),
+     512, 71.9, "Float8, compile; unexplained"),
     ("405B 8x8x8 1F1B, full AC (T5)", LLAMA3_405B, 512,
-     Config(dp=8, tp=8, pp=8, zero=3, micro_batch=4, recompute="full"), 256, 82.5,
-     "Float8, compile; PP keeps weights whole"),
+     Config(dp=8, tp=8, pp=8, zero=2, micro_batch=4, recompute="full"), 256, 82.5,
+     "Float8, compile; most unexplained"),
     ("405B 8x8x8 interleaved (T5)", LLAMA3_405B, 512,
-     Config(dp=8, tp=8, pp=8, zero=3, micro_batch=4, recompute="full", schedule="interleaved", v=2), 256, 72.7,
-     "Float8, compile; PP keeps weights whole"),
+     Config(dp=8, tp=8, pp=8, zero=2, micro_batch=4, recompute="full", schedule="interleaved", v=2), 256, 72.7,
+     "Float8, compile; most unexplained"),
 ]
 WITHIN = 0.15  # how close a covered run's prediction must be
 
