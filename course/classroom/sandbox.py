@@ -94,8 +94,9 @@ class Sandbox:
         for folder in masks:
             args += ["--tmpfs", str(folder)]
         made = set()
+        tmp = Path("/tmp").resolve()  # a private, empty /tmp: what is needed there is bound back in
         for path in self.needed:
-            mask = next((m for m in reversed(masks) if path.is_relative_to(m)), None)
+            mask = next((m for m in reversed(masks) if path.is_relative_to(m)), tmp if path.is_relative_to(tmp) else None)
             if path.exists() and mask is not None and path != mask:
                 for folder in reversed(path.parents):  # the folders down to it, enterable (bwrap makes them 0700)
                     if folder.is_relative_to(mask) and folder != mask and folder not in made:
