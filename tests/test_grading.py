@@ -207,7 +207,7 @@ def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(
         ("mixed", "14", "zigzag_layout", "Exercise 3 (zigzag_layout)", "wrong", str(path)),
     ]
     merge, ring, zigzag = (r["feedback"] for r in rows)
-    assert merge.startswith("small and large scores, a causal mask")
+    assert merge.startswith("equals attention over all keys, with large scores and empty partials")
     assert "between posting each irecv and waiting for it the check saw no matrix product" in ring
     assert "not balanced" in zigzag
 
