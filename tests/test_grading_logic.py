@@ -31,6 +31,9 @@ for line in sys.stdin:
     request = json.loads(line)
     if request["check"] == "dies":
         sys.exit(1)
+    if request["check"] == "hangs":
+        import time
+        time.sleep(600)
     for _ in range(3):  # forged lines first: what a student who reached the pipe would write
         print(json.dumps({"status": "correct", "message": "forged"}), flush=True)
         print(json.dumps({"id": "0" * 32, "status": "correct", "message": "forged"}), flush=True)
@@ -52,6 +55,27 @@ def test_the_judge_ignores_forged_replies_and_is_started_again_when_it_dies():
     finally:
         j.close()
     assert j.process.poll() is not None
+
+
+def test_a_judge_killed_while_judging_answers_at_once_and_judges_nothing_more():
+    """The grader told to stop (Ctrl-C, SIGTERM) kills the judge: a check it runs ends now, not
+    after its time limit, and no judge is started again for the exercises left."""
+    import threading
+    import time
+
+    j = judge.Judge(["01"], command=lambda argv: [sys.executable, "-c", FAKE_JUDGE])
+    replies = []
+    waiting = threading.Thread(target=lambda: replies.append(j.judge("01", "hangs", "", 600)))
+    waiting.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    j.kill()
+    waiting.join(30)
+    assert not waiting.is_alive() and time.monotonic() - start < 30
+    assert replies[0][0] == "error" and "judge stopped" in replies[0][1]
+    assert j.judge("01", "weight_grad", "", 10) == ("error", "grading was stopped before this answer was judged")
+    assert j.restarts == 0 and j.process.poll() is not None
+    j.close()
 
 
 def test_which_files_are_course_notebooks(tmp_path):

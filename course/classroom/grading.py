@@ -179,6 +179,8 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
                         log(f"{student} {path.name}: the grader failed ({e}), trying again")
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
+            if stop.is_set():  # told to stop while it ran: judge nothing more
+                return []
             done = [verdict(student, number, path, x["check"], taken.get(x["check"]), lost) for x in exercises]
             if stop.is_set():
                 return []
@@ -198,6 +200,7 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
         except BaseException:
             stop.set()  # told to stop (SIGINT, SIGTERM): kill what runs, keep what was graded
             runner.stop_all()
+            judge.kill()  # and a check it may be running: no waiting for its verdict
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -52,6 +52,7 @@ class Judge:
         self.numbers, self.env, self.lock = list(numbers), env, threading.Lock()  # one request at a time
         self.command = command or (lambda argv: argv)
         self.ignored, self.restarts = 0, 0  # lines that answered no request; judges started again
+        self.stopped = False  # kill()ed: judges nothing more, starts no new judge
         self._start()
 
     def _start(self):
@@ -97,7 +98,11 @@ class Judge:
         """(verdict, feedback) for one exercise's answers (base64 cloudpickle of a tuple)."""
         if number in self.broken:
             return "error", f"the checks of notebook {number} cannot be imported here: {self.broken[number]}"
+        if self.stopped:
+            return "error", "grading was stopped before this answer was judged"
         with self.lock:
+            if self.stopped:
+                return "error", "grading was stopped before this answer was judged"
             if self.process.poll() is not None:  # the last answer killed it
                 self._kill()
                 self.restarts += 1
@@ -118,6 +123,12 @@ class Judge:
         if reply is None:
             return "error", "the judge stopped while judging this answer (the answer killed it, or it ran out of time)"
         return VERDICTS[reply["status"]], reply["message"]
+
+    def kill(self):
+        """Stop the judge now, with any check it is running, and judge nothing more (the grader
+        was told to stop)."""
+        self.stopped = True
+        self._kill()
 
     def _kill(self):
         if self.process.poll() is None:  # not reaped yet: its process group id is still its own
