@@ -223,9 +223,10 @@ def test_without_a_sandbox_forged_replies_still_earn_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    """A class graded under a 10 s CPU-time limit: a fork bomb of 5,000 sleeps (stopped at the
-    process limit, 2048, while an honest student's sandbox runs beside it), a busy child left
-    running by a cell, a kernel that burns CPU until its limit."""
+    """A class graded under a 10 s CPU-time limit and a 256-process limit (2048 sleeps took over a
+    minute to start at load 15): a fork bomb of 5,000 sleeps (stopped at the limit while an honest
+    student's sandbox runs beside it), a busy child left running by a cell, a kernel that burns
+    CPU until its limit."""
     if not SEALED:
         pytest.skip(f"no sandbox here ({sandbox.probe()}): install bubblewrap")
     folder = tmp_path_factory.mktemp("limited")
@@ -243,7 +244,7 @@ def limited(tmp_path_factory):
     }
     before = {s: digest(p) for s, p in paths.items()}
     rows = [v.row() for v in grading.grade_notebooks(list(paths.items()), grading.Limits(cell=60, notebook=300, check=60),
-                                                     log=lambda line: None, jobs=2, resources=sandbox.Resources(cpu=10))]
+                                                     log=lambda line: None, jobs=2, resources=sandbox.Resources(processes=256, cpu=10))]
     return {"rows": rows, "changed": [s for s, p in paths.items() if digest(p) != before[s]], "left": leftovers()}
 
 

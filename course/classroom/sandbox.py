@@ -15,7 +15,8 @@ which uses Linux namespaces; nothing here is hand-rolled. A sandboxed command ge
 
 What the limits bound (measured on Linux 6.18 with bubblewrap 0.8 and util-linux 2.38's prlimit):
 
-* ``cpu`` is per process: a process past it gets SIGXCPU (Python dies of it), 10 s later SIGKILL.
+* ``cpu`` is per process: a process past it gets SIGXCPU (Python dies of it), SIGKILL if it
+  ignores that and uses 10 s more.
   A busy child the notebook started and left running is stopped by it, not only by the end of
   its notebook. The kernel's own count runs over the whole notebook, so the limit is sized well
   above an honest notebook's (see :class:`Resources`).
@@ -57,7 +58,7 @@ class Resources:
     processes: int = 2048  # processes and threads of the sandbox's own user
     memory: int = 16 << 30  # bytes of address space per process (torch maps ~3 GiB it never touches)
     file_size: int = 1 << 30  # bytes, the largest file it may write
-    cpu: int | None = 600  # CPU seconds per process (the heaviest notebook's kernel uses ~MEASURED s); None: none
+    cpu: int | None = 600  # CPU seconds per process (the heaviest solution's kernel used 31 s); None: none
 
 
 def probe() -> str | None:
