@@ -2,7 +2,7 @@
 attack a small notebook with notebook 01's cell ids. Every test asserts what the honest students
 earned, that no submission file changed, and that nothing of the run is left running.
 
-Marked slow (real kernels; about two minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
+Marked slow (real kernels; about three minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
 """
 
 import contextlib

@@ -320,8 +320,9 @@ def run_notebook(path: Path, exercises: list, limits: Limits, workdir: Path, env
 
 async def _stop_reading_outputs():
     """Cancel the task nbclient leaves reading a timed-out cell's outputs (it cancels it on every
-    other error): alive, it reads the kernel's outputs beside the next cells' readers, and prints
-    "Task was destroyed but it is pending!" when the grader exits."""
+    other error): alive, it reads the kernel's outputs beside the next cells' readers, and when the
+    grader exits prints "Task was destroyed but it is pending!" or "Task exception was never
+    retrieved" (its read failed when the kernel stopped)."""
     import asyncio
 
     for task in asyncio.all_tasks():
