@@ -48,7 +48,7 @@ from pathlib import Path
 
 NOBODY = 65534  # the user a sandbox without a scratch folder (the judge) runs as when the grader is root
 FIRST_USER = 1_900_000_000  # the users scratch folders are given to, when the grader is root: no real user's uids
-_users = itertools.count(FIRST_USER + os.getpid() % 100_000 * 1000)  # 1,000 per grader (by its pid): none shared
+_users = itertools.count(FIRST_USER + os.getpid() % 100_000 * 1000)  # 1,000 per grader, by its pid: rarely shared
 
 
 @dataclass(frozen=True)
