@@ -19,6 +19,8 @@ def main(argv=None):
                                      "NAME-answers/: each student's totals, the source of their correct answers)")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="run the submissions without a sandbox (not isolated: only for notebooks you trust)")
+    grade.add_argument("--cpu-limit", type=int, default=600,
+                       help="CPU seconds each process of a sandbox may use, its kernel's over the whole notebook (default 600)")
     progress = sub.add_parser("progress", help="your verdicts: run your saved notebooks and judge each exercise")
     progress.add_argument("notebooks", nargs="*", help="notebooks or folders (default: notebooks/)")
     for command in (grade, progress):
@@ -33,7 +35,8 @@ def main(argv=None):
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
         if args.command == "grade":
-            return grading.grade(args.submissions, args.csv, limits, args.jobs, sealed=not args.no_sandbox)
+            return grading.grade(args.submissions, args.csv, limits, args.jobs, sealed=not args.no_sandbox,
+                                 resources=grading.sandbox.Resources(cpu=args.cpu_limit))
         return grading.progress(args.notebooks, limits, args.jobs)
     if args.command == "doctor":
         from course.classroom.doctor import doctor

@@ -263,6 +263,20 @@ def test_a_hanging_cell_is_interrupted_and_the_rest_graded(graded_small):
 
 
 @pytest.mark.slow
+def test_a_cell_past_its_limit_leaves_no_task_of_nbclients_behind(tmp_path):
+    """nbclient leaves the task reading a timed-out cell's outputs running; the grader cancels it
+    (else "Task was destroyed but it is pending!" or "Task exception was never retrieved" is
+    printed when the grader exits: both seen)."""
+    import subprocess
+
+    write(tmp_path, "a", small(RIGHT_WEIGHT_GRAD, "import time\ntime.sleep(600)", ids=["c06"]))
+    done = subprocess.run([sys.executable, "-m", "course", "grade", str(tmp_path / "a"), "--cell-timeout", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "a 01_single_device.ipynb: 1 of 3 correct" in done.stderr, done.stderr
+    assert "Task" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("student, reason", [
     ("ignores_interrupt", "cell 2 (`import signal`) ran past its time limit and did not stop when interrupted"),
     ("crashes", "the kernel died while running cell 2 (`import os`) (it crashed, exited, was killed or ran out of memory)"),

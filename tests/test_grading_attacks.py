@@ -2,7 +2,7 @@
 attack a small notebook with notebook 01's cell ids. Every test asserts what the honest students
 earned, that no submission file changed, and that nothing of the run is left running.
 
-Marked slow (real kernels; about two minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
+Marked slow (real kernels; about three minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
 """
 
 import contextlib
@@ -231,3 +231,44 @@ def test_without_a_sandbox_forged_replies_still_earn_nothing(tmp_path):
     assert {r["exercise"]: r["verdict"] for r in rows if r["student"] == "next"} == {
         "weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
     assert {r["isolation"] for r in rows} == {"NOT ISOLATED: turned off (--no-sandbox)"}
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A class graded under a 10 s CPU-time limit and a 256-process limit (2048 sleeps took over a
+    minute to start at load 15): a fork bomb of 5,000 sleeps (stopped at the limit while an honest
+    student's sandbox runs beside it), a busy child left running by a cell, a kernel that burns
+    CPU until its limit."""
+    if not SEALED:
+        pytest.skip(f"no sandbox here ({sandbox.probe()}): install bubblewrap")
+    folder = tmp_path_factory.mktemp("limited")
+    spin = ("import subprocess, sys\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'while True: pass  # {MARK}'], start_new_session=True)")
+    paths = {
+        "bomber": write(folder, "bomber", small(SLEEPER.format(n=5000).replace(", start_new_session=True", ""),
+                                                "import time\ntime.sleep(10)", RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)",
+                                                ids=["c01", "c02", "c06", "c07"])),
+        "honest": write(folder, "honest", small(RIGHT_WEIGHT_GRAD, FULL_BATCH, ids=["c06", "c09"])),
+        "spinner": write(folder, "spinner", small(spin, "import signal\nassert child.wait(60) == -signal.SIGXCPU\n"
+                                                  + RIGHT_WEIGHT_GRAD, ids=["c01", "c06"])),  # defined if the child died of it
+        "burner": write(folder, "burner", small(RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)", "while True:\n    pass",
+                                                FULL_BATCH, ids=["c06", "c07"])),
+    }
+    before = {s: digest(p) for s, p in paths.items()}
+    rows = [v.row() for v in grading.grade_notebooks(list(paths.items()), grading.Limits(cell=60, notebook=300, check=60),
+                                                     log=lambda line: None, jobs=2, resources=sandbox.Resources(processes=256, cpu=10))]
+    return {"rows": rows, "changed": [s for s, p in paths.items() if digest(p) != before[s]], "left": leftovers()}
+
+
+def test_a_fork_bomb_stops_at_its_sandboxs_process_limit_and_the_grader_goes_on(limited):
+    assert verdicts(limited, "honest") == {"weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
+    assert verdicts(limited, "bomber")["weight_grad"] == "correct"  # its cells after the bomb ran
+    assert "raised BlockingIOError: [Errno 11] Resource temporarily unavailable" in feedback(limited, "bomber", "chunk_mean_grad")
+    assert limited["changed"] == [] and limited["left"] == []
+
+
+def test_the_cpu_time_limit_stops_a_busy_child_and_a_busy_kernel(limited):
+    assert verdicts(limited, "spinner")["weight_grad"] == "correct"  # its child died of SIGXCPU
+    assert verdicts(limited, "burner")["weight_grad"] == "correct"  # taken before the kernel died
+    assert feedback(limited, "burner", "chunk_mean_grad") == ("the kernel ran out of CPU time (its limit: 10 s) "
+                                                               "while running cell 3 (`while True:`)")

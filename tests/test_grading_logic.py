@@ -148,7 +148,8 @@ def test_the_csvs_and_answer_files(tmp_path):
 def test_the_sandbox_hides_folders_and_binds_back_what_is_needed(tmp_path):
     hidden, needed = tmp_path / "class", tmp_path / "class" / "venv" / "lib"
     needed.mkdir(parents=True)
-    box = sandbox.Sandbox([hidden], [needed, needed / "python3"], sandbox.Resources(processes=7, memory=1 << 30, file_size=1 << 20))
+    limits = sandbox.Resources(processes=7, memory=1 << 30, file_size=1 << 20, cpu=5)
+    box = sandbox.Sandbox([hidden], [needed, needed / "python3"], limits)
     args = box.command(["python", "-c", "1"], scratch=tmp_path / "scratch")
     assert args[args.index("bwrap"):][:2] == ["bwrap", "--unshare-pid" if sandbox.os.geteuid() == 0 else "--unshare-all"]
     assert "--unshare-net" in args or "--unshare-all" in args
@@ -157,7 +158,8 @@ def test_the_sandbox_hides_folders_and_binds_back_what_is_needed(tmp_path):
     assert f"--perms 0755 --dir {hidden / 'venv'}" in text
     assert text.count("--ro-bind") == 2  # "/" and the one needed folder (python3 lies inside it)
     assert f"--bind {tmp_path / 'scratch'} {tmp_path / 'scratch'}" in text
-    assert args[-8:] == ["prlimit", "--nproc=7", f"--as={1 << 30}", f"--fsize={1 << 20}", "--", "python", "-c", "1"]
+    assert args[-9:] == ["prlimit", "--nproc=7", f"--as={1 << 30}", f"--fsize={1 << 20}", "--cpu=5:15", "--", "python", "-c", "1"]
+    assert "--cpu=5:15" not in box.command(["python"], cpu=False)  # the judge: it lives as long as the grader
     assert text.index(f"--tmpfs {hidden}") < text.index(f"--ro-bind {needed}")  # hidden first, then bound back
 
 
@@ -182,3 +184,56 @@ def test_a_sandboxed_command_sees_nothing_it_should_not(tmp_path):
     done = subprocess.run(box.command([sys.executable, "-c", probe], scratch), capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines() == ["[]", "[1, 2]", "30", "30", "no network"], done.stderr
     assert (scratch / "mine").read_text() == "ok"
+
+
+BOMB = ("import subprocess, sys, time\n"
+        "procs = []\n"
+        "try:\n"
+        "    for _ in range(5000):\n"
+        "        procs.append(subprocess.Popen(['sleep', '60']))\n"
+        "except OSError as e:\n"
+        "    print(len(procs), e.errno, flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n")
+SPIN = ("import signal, subprocess, sys\n"  # a busy child, in a session of its own, that nobody waits for
+        "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'], start_new_session=True)\n"
+        "print(child.wait(60) == -signal.SIGXCPU)\n")
+
+
+@pytest.mark.skipif(sandbox.probe() is not None, reason=f"no sandbox here: {sandbox.probe()}")
+def test_each_sandbox_has_its_own_process_count_and_cpu_time(tmp_path):
+    """RLIMIT_NPROC counts a uid's processes: each sandbox runs as a user of its own (as root) or
+    in a user namespace of its own, so a fork bomb stops at its own limit and no other sandbox's
+    forks fail; RLIMIT_CPU stops a busy child the command left running."""
+    import subprocess
+
+    box = sandbox.Sandbox([], [sys.base_prefix, sys.prefix], sandbox.Resources(processes=30, cpu=1))
+    scratch = []
+    for name in ("a", "b"):
+        scratch.append(tmp_path / name)
+        scratch[-1].mkdir()
+        sandbox.give_to_sandbox(scratch[-1])
+    bomb = subprocess.Popen(box.command([sys.executable, "-c", BOMB, "5"], scratch[0]), stdout=subprocess.PIPE, text=True)
+    started = bomb.stdout.readline().split()  # the bomb has stopped, and holds its processes
+    other = subprocess.run(box.command([sys.executable, "-c", SPIN + BOMB, "0"], scratch[1]), capture_output=True, text=True,
+                           timeout=60)
+    bomb.kill()
+    bomb.wait()
+    assert 20 < int(started[0]) < 30 and started[1] == "11", started  # EAGAIN
+    assert other.stdout.split() == ["True", *started[:2]], other.stderr
+    if sandbox.os.geteuid() == 0:
+        assert scratch[0].stat().st_uid != scratch[1].stat().st_uid and scratch[0].stat().st_uid >= sandbox.FIRST_USER
+
+
+def test_without_bubblewrap_grading_runs_and_says_loudly_it_is_not_isolated(tmp_path, monkeypatch):
+    from course.classroom import grading
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it (the judge's python is named by its full path)
+    assert sandbox.probe() == "`bwrap` not found (install the `bubblewrap` package)"
+    empty = tmp_path / "ann" / "01_single_device.ipynb"
+    empty.parent.mkdir()
+    empty.write_text("")
+    logged = []
+    rows = grading.grade_notebooks([("ann", empty)], log=logged.append)
+    assert logged[0].startswith("WARNING: submissions are NOT ISOLATED (`bwrap` not found")
+    assert [(r.student, r.verdict, r.isolation) for r in rows] == [
+        ("ann", "error", "NOT ISOLATED: `bwrap` not found (install the `bubblewrap` package)")]

@@ -67,7 +67,7 @@ class Class:
     is none), the environment kernels and the judge get. ``Class(submission paths, hidden)``;
     ``close()`` removes its temporary folder."""
 
-    def __init__(self, paths, hidden=(), sealed=True):
+    def __init__(self, paths, hidden=(), sealed=True, resources=sandbox.Resources()):
         from course.training.data import data_dir
 
         self.folder = Path(tempfile.mkdtemp(prefix="course-grade-"))
@@ -78,7 +78,7 @@ class Class:
         data = data_dir()
         needed = [Path(sys.base_prefix), Path(sys.prefix), Path(os.path.realpath(sys.executable)).parent, self.course, data]
         hidden = [self.folder, *{Path(p).resolve().parent for p in paths}, *hidden]
-        self.sandbox = sandbox.Sandbox(hidden, needed) if self.why_not is None else None
+        self.sandbox = sandbox.Sandbox(hidden, needed, resources) if self.why_not is None else None
         self.env = {**os.environ, "PYTHONPATH": str(self.course), "COURSE_DATA": str(data), "PYTHONDONTWRITEBYTECODE": "1"}
         self.count, self.lock = 0, threading.Lock()
 
@@ -95,7 +95,7 @@ class Class:
         return {**self.env, "HOME": str(workdir), "IPYTHONDIR": str(workdir / ".ipython"), "MPLCONFIGDIR": str(workdir / ".mpl")}
 
     def judge_command(self, argv):
-        return self.sandbox.command(argv) if self.sandbox else argv
+        return self.sandbox.command(argv, cpu=False) if self.sandbox else argv  # it lives as long as the grader
 
     def unchanged(self) -> bool:
         """Not sandboxed, a notebook could have edited the course's copy: put it back if so."""
@@ -110,16 +110,16 @@ class Class:
 
 
 def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int = 1, hidden=(), sealed=True,
-                    on_done=None) -> list[Verdict]:
+                    on_done=None, resources: sandbox.Resources = sandbox.Resources()) -> list[Verdict]:
     """Every exercise's verdict for each (student, notebook path) in ``submissions``, ``jobs``
     notebooks at a time; a student who handed in no copy of a notebook that others did gets
     "not attempted" rows. ``hidden``: more folders the notebooks must not see (the CSV's);
-    ``sealed=False`` runs them without a sandbox; ``on_done(verdicts so far)`` is called as each
-    notebook is graded."""
+    ``sealed=False`` runs them without a sandbox, ``resources`` are each sandbox's limits;
+    ``on_done(verdicts so far)`` is called as each notebook is graded."""
     table = exercise_table()
     chosen, verdicts = {}, []
     runner.resume()
-    setting = Class([p for _, p in submissions], hidden, sealed)
+    setting = Class([p for _, p in submissions], hidden, sealed, resources)
     try:
         if sealed and setting.why_not is not None:
             log(f"WARNING: submissions are NOT ISOLATED ({setting.why_not}): each can read and change your files, "
@@ -135,6 +135,8 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
                     chosen[student, number], kept, path = path, path, kept
                 log(f"{student}: {path} ignored, {kept} is their notebook {number}")
         numbers = sorted({n for _, n in chosen})
+        if not numbers:  # no file was a course notebook: nothing to run or judge
+            return verdicts
         judge = Judge(numbers, command=setting.judge_command,
                       env={**setting.env, "HOME": "/tmp", SEALED: "1" if setting.sandbox else "0"})
         stop = threading.Event()
@@ -229,7 +231,8 @@ def _stop_on_sigterm():
         return None
 
 
-def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1, sealed: bool = True) -> int:
+def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1, sealed: bool = True,
+          resources: sandbox.Resources = sandbox.Resources()) -> int:
     """``python -m course grade``: every student's verdicts to ``csv_path`` (rewritten as each
     student finishes), their totals to ``NAME-students.csv``, the source of their correct
     answers to ``NAME-answers/STUDENT.py``; the tables printed."""
@@ -245,6 +248,7 @@ def grade(paths, csv_path=None, limits: Limits = Limits(), jobs: int = 1, sealed
     previous = _stop_on_sigterm()
     try:
         verdicts = grade_notebooks(submissions, limits, log=lambda s: print(s, file=sys.stderr, flush=True), jobs=jobs, sealed=sealed,
+                                   resources=resources,
                                    hidden=[csv_path.parent] if csv_path else [],
                                    on_done=(lambda so_far: report.write_csv(so_far, csv_path)) if csv_path else None)
     except KeyboardInterrupt:

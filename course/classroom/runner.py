@@ -9,6 +9,7 @@ notebook (``course/checks/answers.json``) into a file: data the grader reads, ne
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import math
 import os
@@ -142,15 +143,18 @@ def kernel_manager_class(workdir: Path, sandbox=None):
     from course.classroom.sandbox import give_to_sandbox
 
     class Manager(AsyncKernelManager):
+        started = []  # the kernel's process (a Popen), once started: bubblewrap's, if sandboxed
+
         def __init__(self, **kwargs):
             super().__init__(transport="ipc", ip=str(workdir / "k"), connection_file=str(workdir / "kernel.json"), **kwargs)
 
         def write_connection_file(self, **kwargs):
             super().write_connection_file(**kwargs)
-            give_to_sandbox(Path(self.connection_file))  # the kernel reads it
+            give_to_sandbox(Path(self.connection_file), like=workdir)  # the kernel reads it
 
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             await super()._async_launch_kernel(kernel_cmd, **kw)
+            Manager.started.append(self.provisioner.process)
             _live.add(self.provisioner.process)  # from its first moment: stop_all() reaches a kernel starting up
             if _stopping.is_set():
                 stop_all()
@@ -204,14 +208,17 @@ def run_notebook(path: Path, exercises: list, limits: Limits, workdir: Path, env
     nbformat.write(nb, workdir / path.name)  # the copy the kernel runs beside; the submission is never touched
     quiet = logging.getLogger("course.grading.nbclient")
     quiet.setLevel(logging.CRITICAL)  # an interrupted cell is reported in the verdict, not as a traceback
+    manager = kernel_manager_class(workdir, sandbox)
     client = NotebookClient(nb, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate", log=quiet,
-                            resources={"metadata": {"path": str(workdir)}},
-                            kernel_manager_class=kernel_manager_class(workdir, sandbox))
+                            resources={"metadata": {"path": str(workdir)}}, kernel_manager_class=manager)
 
     def run(cell, index, limit):
         client.timeout = max(1, math.ceil(limit))
         try:
             client.execute_cell(cell, index)
+        except CellTimeoutError:
+            run_sync(_stop_reading_outputs)()
+            raise
         finally:  # keep only errors: 50 MB printed by a cell stays out of the grader's memory
             cell.outputs = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
 
@@ -296,17 +303,42 @@ def run_notebook(path: Path, exercises: list, limits: Limits, workdir: Path, env
         return taken, str(e)
     except DeadKernelError:
         where = _describe(index, nb.cells[index].source) if index is not None else "start-up"
+        if manager.started and _out_of_cpu_time(manager.started[-1]):
+            return taken, f"the kernel ran out of CPU time (its limit: {sandbox.resources.cpu} s) while running {where}"
         return taken, f"the kernel died while running {where} (it crashed, exited, was killed or ran out of memory)"
     except Exception as e:  # the kernel would not start, ...: the grader's failure, not the notebook's
         raise GraderError(f"{type(e).__name__}: {e}", taken) from e
     finally:
-        _live.discard(getattr(client.km and client.km.provisioner, "process", None))
+        _live.difference_update(manager.started)
         for process in proctree.marked(token).values():  # not sandboxed: whatever the notebook left running
             try:
                 process.kill()
             except Exception:
                 pass
     return taken, None
+
+
+async def _stop_reading_outputs():
+    """Cancel the task nbclient leaves reading a timed-out cell's outputs (it cancels it on every
+    other error): alive, it reads the kernel's outputs beside the next cells' readers, and when the
+    grader exits prints "Task was destroyed but it is pending!" or "Task exception was never
+    retrieved" (its read failed when the kernel stopped)."""
+    import asyncio
+
+    for task in asyncio.all_tasks():
+        if task.get_coro().__qualname__.endswith("._async_poll_output_msg"):
+            task.cancel()
+    await asyncio.sleep(0)
+
+
+def _out_of_cpu_time(process) -> bool:
+    """Whether a kernel's process died of SIGXCPU, its CPU-time limit (a sandbox's process,
+    bubblewrap, exits with 128 + the signal that killed the command it ran)."""
+    try:
+        code = process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return code in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
 
 
 def _read_taken(out: Path, checks: list):
