@@ -32,13 +32,13 @@ Assumptions (change them by changing the arguments):
   reduced in fp32 as torchtitan does) holds, beside the activations, whole layers' worth of bf16
   weights in its backward: the layer computing, the next one's prefetched all-gather, the layer's
   own gradients (3), and, from the second layer of backward on, the previous layer's fp32
-  gradients waiting to be reduce-scattered (2 more) while one layer's activations are gone: so
-  ``max(3, 5 - a)`` layers, ``a`` one layer's activations of one micro-batch in those units
-  (:func:`fsdp_peak_buffers` measures them with torch's ``FSDPMemTracker``). The embedding and
-  output layer stay whole (FSDP2's root module is not resharded between forward and backward),
-  and so does the output layer's bf16 gradient until backward ends. A
-  fraction ``1 - Cluster.usable`` of each GPU is kept free (allocator fragmentation, NCCL
-  buffers, the CUDA context: an assumption, not a measurement);
+  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more), while one
+  layer's activations are gone: so ``max(3, 5 - a)`` layers, ``a`` one layer's activations of
+  one micro-batch in those units (:func:`fsdp_peak_buffers` measures them with torch's
+  ``FSDPMemTracker``). The embedding and output layer stay whole (FSDP2's root module is not
+  resharded between forward and backward), and so does the output layer's bf16 gradient until
+  backward ends. A fraction ``1 - Cluster.usable`` of each GPU is kept free (allocator
+  fragmentation, NCCL buffers, the CUDA context: an assumption, not a measurement);
 * communication per GPU and step (bytes *sent*, bandwidth-optimal ring collectives):
   TP: 4 all-reduces (or their reduce-scatter + all-gather halves) of ``s·b·h`` activations
   per layer per micro-batch (6 with full recomputation; selective keeps the reduce-scatters'
@@ -65,7 +65,9 @@ Assumptions (change them by changing the arguments):
   backward) and what does not fit adds.
 
 Left out, among much else: hybrid sharding (HSDP), overlapped TP communication, expert
-parallelism, Float8, torch.compile's fusions, stragglers, and the real MFU of each shape.
+parallelism, Float8, torch.compile's fusions, stragglers, the real MFU of each shape, the
+gradients of activations that backward makes and frees layer by layer, and, under ZeRO-0/1/2, the
+unsharded gradients and reduce-scatter buffers FSDP holds in backward (counted for ZeRO-3 only).
 
 The numbers for a GPU (:class:`Cluster`) are parameters: the defaults are an H100 SXM node
 (989 TFLOP/s bf16 dense, 80 GB, NVLink ~450 GB/s per direction, 8 per node) on a 400 Gb/s
