@@ -101,10 +101,21 @@ def test_recomputation_keeps_its_layers_inputs_and_rebuilds_one_layer():
 
 
 def _fsdp_peaks(rank, world_size):
-    return {"small activations": planner.fsdp_peak_buffers(seq=1, vocab=256),
-            "bf16 reduction": planner.fsdp_peak_buffers(seq=1, vocab=256, reduce="bf16"),
-            "large activations": planner.fsdp_peak_buffers(seq=256),
-            "forward": planner.fsdp_peak_buffers(seq=32, backward=False)}
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    peaks = {"small activations": planner.fsdp_peak_buffers(seq=1, vocab=256),
+             "bf16 reduction": planner.fsdp_peak_buffers(seq=1, vocab=256, reduce="bf16"),
+             "large activations": planner.fsdp_peak_buffers(seq=256),
+             "forward": planner.fsdp_peak_buffers(seq=32, backward=False)}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        planner.fsdp_peak_buffers(seq=1)
+    except RuntimeError as error:  # a process group already there: refused, said why
+        peaks["refused"] = str(error)
+    finally:
+        dist.destroy_process_group()
+    return peaks
 
 
 def test_zero3_buffers_at_the_peak_measured_with_fsdp_mem_tracker():
@@ -127,6 +138,7 @@ def test_zero3_buffers_at_the_peak_measured_with_fsdp_mem_tracker():
     large = peaks["large activations"]
     assert large["activations"] / 4 > 2
     assert (large["weights"], large["all-gather"], large["reduce-scatter"]) == (1, 1, 0)
+    assert "without one" in peaks["refused"]
 
 
 def test_zero3_holds_whole_layers_and_shards_over_dp_and_cp():

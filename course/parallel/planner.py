@@ -369,6 +369,9 @@ def fsdp_peak_buffers(seq: int, vocab: int = 8, reduce: str = "fp32", backward: 
 
     if reduce not in ("fp32", "bf16"):
         raise ValueError(f"reduce is 'fp32' or 'bf16', not {reduce!r}")
+    if dist.is_initialized():
+        raise RuntimeError("fsdp_peak_buffers makes its own fake process group: call it in a process without one "
+                           "(course.launch(..., init_process_group=False))")
     h, f, heads = hidden, 4 * hidden, 4
 
     class Block(nn.Module):  # RMSNorm, attention, RMSNorm, SwiGLU MLP
