@@ -57,6 +57,92 @@ def test_pipeline_of_4_stages_sends_one_way_at_the_ends_and_both_ways_in_the_mid
         assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
 
 
+
+def _train_sp_slices_zero1(rank, world_size, dp, pp, tp, steps=2, m=2, lr=0.2):
+    """parallel3d.train with two changes: each TP rank sends only its 1/tp of the sequence of every activation
+    and gradient between stages (the receiving stage all-gathers the slices over TP, as a stage boundary under
+    sequence parallelism carries them), and ZeRO-1 over DP (reduce-scatter, SGD on this rank's slice,
+    all-gather). Returns the largest difference from one process and the bytes sent per dimension."""
+    import torch
+    import torch.nn.functional as F
+
+    from course.observe import wire
+
+    d, p, t = parallel3d.coordinates(rank, dp, pp, tp)
+    my = parallel3d.make_groups(dp, pp, tp)
+    stage = parallel3d.shard_like(parallel3d.TinyLM(), p, pp, my["tp"])
+    params = list(stage.parameters())
+    flat = torch.cat([q.detach().reshape(-1) for q in params])
+    flat = F.pad(flat, (0, -flat.numel() % dp))
+    inputs, targets = (x.chunk(dp)[d] for x in parallel3d.make_batch())
+    prev, next = (rank - tp if p > 0 else None), (rank + tp if p < pp - 1 else None)
+
+    def receive(shape, peer):  # this rank's slice from the peer stage, then the whole from the TP group's slices
+        piece = torch.empty(shape[0], shape[1] // tp, *shape[2:])
+        dist.recv(piece, peer)
+        parts = [torch.empty_like(piece) for _ in range(tp)]
+        dist.all_gather(parts, piece, group=my["tp"])
+        return torch.cat(parts, dim=1)
+
+    with wire.measure() as sent:
+        for _ in range(steps):
+            saved = []
+            for x_, y_ in zip(inputs.chunk(m), targets.chunk(m)):
+                x = x_ if prev is None else receive((*x_.shape, parallel3d.DIM), prev).requires_grad_()
+                y = stage(x)
+                if next is None:
+                    y = F.cross_entropy(y.reshape(-1, parallel3d.VOCAB), y_.reshape(-1)) / m
+                else:
+                    dist.send(y.detach().chunk(tp, dim=1)[t].contiguous(), next)
+                saved.append((x, y))
+            for x, y in reversed(saved):
+                y.backward(None if next is None else receive(y.shape, next))
+                if prev is not None:
+                    dist.send(x.grad.chunk(tp, dim=1)[t].contiguous(), prev)
+            grads = F.pad(torch.cat([q.grad.reshape(-1) for q in params]), (0, flat.numel() - sum(q.numel() for q in params)))
+            shard = torch.empty(flat.numel() // dp)
+            dist.reduce_scatter_tensor(shard, grads, group=my["dp"])
+            dist.all_gather_into_tensor(flat, flat.chunk(dp)[d] - lr * shard / dp, group=my["dp"])
+            with torch.no_grad():
+                for q, new in zip(params, flat.split([q.numel() for q in params])):
+                    q.copy_(new.view_as(q))
+                    q.grad = None
+    per_dim = {"dp": 0, "pp": 0, "tp": 0}
+    for peer, n in wire.sent_per_peer(sent).items():
+        differ = [dim for dim, a, b in zip(per_dim, parallel3d.coordinates(peer, dp, pp, tp), (d, p, t)) if a != b]
+        per_dim[differ[0]] += n
+    one = parallel3d.TinyLM()
+    optimizer = torch.optim.SGD(one.parameters(), lr=lr)
+    x, y = parallel3d.make_batch()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(one(x).reshape(-1, parallel3d.VOCAB), y.reshape(-1)).backward()
+        optimizer.step()
+    expected = parallel3d.shard_like(one, p, pp, my["tp"])
+    return {"diff": max((a - b).abs().max().item() for a, b in zip(params, expected.parameters())), "sent": per_dim}
+
+
+def test_pipeline_bytes_with_sequence_parallel_slices_and_zero1_on_a_3d_grid():
+    # dp x pp x tp = 2 x 2 x 2, 2 micro-batches of 2 sequences, 2 steps, fp32
+    m, steps = 2, 2
+    config = planner.Config(dp=2, pp=2, tp=2, zero=1, micro_batch=2, sp=True)
+    activation = parallel3d.SEQ * config.micro_batch * TINY.hidden * 4  # 1,024 bytes
+    for rank, r in enumerate(launch(_train_sp_slices_zero1, 8, 2, 2, 2, show=None)):
+        assert r["diff"] < 1e-6
+        stage = parallel3d.coordinates(rank, 2, 2, 2)[1]
+        law = planner.traffic(TINY, config, parallel3d.SEQ, parallel3d.BATCH, dtype_bytes=4, stage=stage)
+        # the pipeline: the model's bytes (1/tp of each activation, per TP rank) and gloo's 96 + 48 per message
+        assert law["pp"] == m * activation / 2
+        assert r["sent"]["pp"] == steps * (law["pp"] + m * (SEND + RECV))
+        # ZeRO-1 on gloo: its reduce-scatter is an all-reduce (notebook 11), so 3/2 of the model's ring bytes,
+        # over 3 ring messages (2 of the all-reduce, 1 of the all-gather)
+        assert r["sent"]["dp"] == steps * (law["dp"] * 3 / 2 + 3 * MESSAGE)
+        # TP: the model's 4 all-reduces per layer and micro-batch, and the receiving stage's all-gather of the
+        # slices (one slice, one message per micro-batch): layers that all-reduce need the whole activation,
+        # where sequence-parallel layers would begin with that all-gather anyway
+        headers = 4 * m * 2 * MESSAGE  # 1 layer per stage; a ring all-reduce on 2 ranks: 2 messages
+        assert r["sent"]["tp"] == steps * (law["tp"] + headers + m * (activation / 2 + MESSAGE))
+
 def test_3d_training_fails_loudly_on_a_wrong_grid():
     with pytest.raises(Exception, match="dp \\* pp \\* tp = 8, but there are 4 ranks"):
         launch(parallel3d.train, 4, 2, 2, 2, show=None)
@@ -125,7 +211,8 @@ def test_planner_memory_follows_zero_stages():
     assert used[1]["gradients"] == 2 * p and used[2]["gradients"] == 2 * p / 8
     assert used[2]["parameters"] == 2 * p and used[3]["parameters"] == pytest.approx(
         2 * p / 8 + 3 * 2 * model.layer_params() + 2 * (2 * model.vocab * model.hidden + model.hidden) * 7 / 8)
-    # + three whole layers, and the embedding, output layer and final norm whole (FSDP2's root module)
+    # + three whole layers in backward (activations outweigh the rest: see test_planner), and the embedding,
+    # output layer and final norm whole (FSDP2's root module)
 
 
 @pytest.mark.parametrize("name", ["mesh_groups", "shard_like", "pipeline_step", "average_gradients", "make_groups", "train"])

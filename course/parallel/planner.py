@@ -28,12 +28,17 @@ Assumptions (change them by changing the arguments):
   (with sequence parallelism) and ``cp``. With recomputation one layer's whole activations
   exist again while it is recomputed. How many micro-batches a stage holds depends on the
   schedule (:func:`in_flight`). The last stage also holds the logits, ``10·s·b·vocab`` bytes
-  (:data:`LOGIT_BYTES`; divided by ``tp`` with ``vocab_parallel``). ZeRO-3 holds about three
-  layers unsharded at its peak (the one computing, the one prefetched and a gradient being
-  reduce-scattered: what torch's ``FSDPMemTracker`` shows, issue 41), and the embedding and
-  output layer whole (FSDP2's root module is not resharded between forward and backward). A
-  fraction ``1 - Cluster.usable`` of each GPU is kept free (allocator fragmentation, NCCL
-  buffers, the CUDA context: an assumption, not a measurement);
+  (:data:`LOGIT_BYTES`; divided by ``tp`` with ``vocab_parallel``). ZeRO-3 (FSDP2, gradients
+  reduced in fp32 as torchtitan does) holds, beside the activations, whole layers' worth of bf16
+  weights in its backward: the layer computing, the next one's prefetched all-gather, the layer's
+  own gradients (3), and, from the second layer of backward on, the previous layer's fp32
+  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more), while one
+  layer's activations are gone: so ``max(3, 5 - a)`` layers, ``a`` one layer's activations of
+  one micro-batch in those units (:func:`fsdp_peak_buffers` measures them with torch's
+  ``FSDPMemTracker``). The embedding and output layer stay whole (FSDP2's root module is not
+  resharded between forward and backward), and so does the output layer's bf16 gradient until
+  backward ends. A fraction ``1 - Cluster.usable`` of each GPU is kept free (allocator
+  fragmentation, NCCL buffers, the CUDA context: an assumption, not a measurement);
 * communication per GPU and step (bytes *sent*, bandwidth-optimal ring collectives):
   TP: 4 all-reduces (or their reduce-scatter + all-gather halves) of ``s·b·h`` activations
   per layer per micro-batch (6 with full recomputation; selective keeps the reduce-scatters'
@@ -41,6 +46,11 @@ Assumptions (change them by changing the arguments):
   PP: per micro-batch and model chunk, one activation forward and one gradient back, except
   that the first stage sends nothing back and the last nothing forward;
   ``1/tp`` of it with sequence parallelism (each TP rank sends its slice);
+  CP: notebook 14's ring attention: per layer and micro-batch ``3cp - 2`` messages of one rank's K/V
+  (its ``1/cp`` of the tokens, its ``1/tp`` of the K/V heads): ``cp - 1`` in forward, ``cp - 1`` and
+  ``cp`` dK/dV accumulators in backward (``cp - 1`` more with full recomputation). torch 2.15's
+  ``context_parallel`` sends the accumulators in fp32 (``convert_to_f32``, read in its source, not
+  run): twice these bytes for that part;
   DP (over ``dp × cp`` ranks, the ranks that hold the same weights), with ``m`` micro-batches
   per step: ZeRO-0/1 all-reduce the accumulated gradients once, ``2(n-1)/n`` × their size;
   ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters every micro-batch's
@@ -55,7 +65,9 @@ Assumptions (change them by changing the arguments):
   backward) and what does not fit adds.
 
 Left out, among much else: hybrid sharding (HSDP), overlapped TP communication, expert
-parallelism, Float8, torch.compile's fusions, stragglers, and the real MFU of each shape.
+parallelism, Float8, torch.compile's fusions, stragglers, the real MFU of each shape, the
+gradients of activations that backward makes and frees layer by layer, and, under ZeRO-0/1/2, the
+unsharded gradients and reduce-scatter buffers FSDP holds in backward (counted for ZeRO-3 only).
 
 The numbers for a GPU (:class:`Cluster`) are parameters: the defaults are an H100 SXM node
 (989 TFLOP/s bf16 dense, 80 GB, NVLink ~450 GB/s per direction, 8 per node) on a 400 Gb/s
@@ -299,7 +311,6 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
     the output. ``repeat_kv``: K and V repeated to every head before attention (torchtitan's Llama
     in 2024) instead of grouped-query attention. ``fp32_norm``: RMSNorm written by hand, casting to
     fp32 (torchtitan's Llama in 2024), in place of ``nn.RMSNorm``."""
-    import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from course.observe.memory import LiveBytes, saved_activation_bytes
@@ -334,6 +345,74 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         if fake is not None:
             fake.__exit__(None, None, None)
 
+
+
+def fsdp_peak_buffers(seq: int, vocab: int = 8, reduce: str = "fp32", backward: bool = True, world: int = 4,
+                      layers: int = 4, hidden: int = 64) -> dict:
+    """What FSDP2 (``fully_shard`` per block and on the root, default resharding and prefetching, bf16
+    weights) holds at its peak, measured by torch's ``FSDPMemTracker`` on the fake process group as one
+    rank of ``world``, for a Llama-like model of ``layers`` blocks run on one sequence of ``seq`` tokens:
+    {"weights" (unsharded, the root's left out), "all-gather" (its output buffers), "reduce-scatter" (its
+    input buffers, in the ``reduce`` dtype), "temporary" (what backward makes: gradients, unsharded
+    until reduced, and activations' gradients), "activations"}, each in units of one block's bf16 weights.
+    ``backward=False``: the peak of forward alone. On the CPU (FSDP2 on a fake CUDA device asks the absent
+    GPU for its current device): the order of allocations is eager's, without a GPU's streams running
+    behind the CPU. Makes and destroys the default process group: call it where none exists."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if reduce not in ("fp32", "bf16"):
+        raise ValueError(f"reduce is 'fp32' or 'bf16', not {reduce!r}")
+    if dist.is_initialized():
+        raise RuntimeError("fsdp_peak_buffers makes its own fake process group: call it in a process without one "
+                           "(course.launch(..., init_process_group=False))")
+    h, f, heads = hidden, 4 * hidden, 4
+
+    class Block(nn.Module):  # RMSNorm, attention, RMSNorm, SwiGLU MLP
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.RMSNorm(h), nn.RMSNorm(h)
+            self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+            self.gate, self.up, self.down = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False)
+
+        def forward(self, x):
+            y, split = self.n1(x), lambda t: t.unflatten(-1, (heads, h // heads)).transpose(1, 2)
+            a = F.scaled_dot_product_attention(split(self.q(y)), split(self.k(y)), split(self.v(y)), is_causal=True)
+            x = x + self.o(a.transpose(1, 2).flatten(2))
+            y = self.n2(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(vocab, h), *[Block() for _ in range(layers)], nn.RMSNorm(h),
+                              nn.Linear(h, vocab, bias=False))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32 if reduce == "fp32" else torch.bfloat16)
+        for block in model[1:-2]:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        layer = 2 * sum(p.numel() for p in model[1].parameters())
+        root = 2 * (2 * vocab * h + h)  # embedding, output layer and final norm, bf16
+        tracker = FSDPMemTracker(model)
+        with tracker:
+            loss = model(torch.randint(vocab, (1, seq))).float().logsumexp(-1).mean()
+            if backward:
+                loss.backward()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    finally:
+        dist.destroy_process_group()
+    size = {getattr(kind, "value", kind): n for kind, n in peak.items()}  # keys: torch's categories by name
+    return {"weights": (size["Unsharded Param"] - root) / layer, "all-gather": size["All Gather"] / layer,
+            "reduce-scatter": size["Reduce Scatter"] / layer, "temporary": size["Temp"] / layer,
+            "activations": size["Activation"] / layer}
 
 def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """The pipeline's idle time as a fraction of its ideal compute time (a model, equal forward,
@@ -391,12 +470,17 @@ def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None
         activations += LOGIT_BYTES * seq * b * model.vocab / (c.tp if model.vocab_parallel else 1) / c.cp
     shards = c.dp * c.cp
     parameters = 2 * params / (shards if c.zero >= 3 else 1)
-    if c.zero >= 3 and shards > 1:  # ~3 layers whole, and the root module's embedding / output layer whole
+    gradients = 2 * params / (shards if c.zero >= 2 else 1)
+    if c.zero >= 3 and shards > 1:  # whole layers in backward (see the assumptions), the root module whole
         ends = params - stage_params(model, c.tp, c.pp, stage, ends=False)
-        parameters += 3 * 2 * model.layer_params() / c.tp + 2 * ends * (1 - 1 / shards)
+        layer = 2 * model.layer_params() / c.tp  # one layer's bf16 weights on this GPU
+        parameters += max(3 * layer, 5 * layer - kept * token_features) + 2 * ends * (1 - 1 / shards)
+        if stage == c.pp - 1:  # the output layer's (and final norm's) bf16 gradient, whole until backward ends
+            gradients += 2 * (model.vocab * model.hidden / (c.tp if model.vocab_parallel else 1)
+                              + (model.hidden if model.norms else 0)) * (1 - 1 / shards)
     return {
         "parameters": parameters,
-        "gradients": 2 * params / (shards if c.zero >= 2 else 1),
+        "gradients": gradients,
         "optimizer": 12 * params / (shards if c.zero >= 1 else 1),
         "activations": activations,
     }
@@ -420,6 +504,14 @@ def _pp_sends(config: Config, stage: int) -> int:
     return 0 if c.pp == 1 else 2 * c.v - (stage == 0) - (stage == c.pp - 1)
 
 
+def _cp_passes(config: Config) -> int:
+    """K/V-sized messages one context-parallel rank sends per layer and micro-batch in notebook 14's ring
+    attention: ``cp - 1`` K/V chunks in forward; in backward ``cp - 1`` again, and the dK/dV accumulators
+    ``cp`` times (the last pass takes each home); full recomputation runs the forward's ring again."""
+    n = config.cp
+    return 0 if n == 1 else 3 * n - 2 + (n - 1 if config.recompute == "full" else 0)
+
+
 def traffic(model: Model, config: Config, seq: int, global_batch: int, dtype_bytes: int = 2, stage=None) -> dict:
     """Bytes one GPU of ``stage`` sends per step, per dimension: {"tp", "pp", "dp", "cp"} (None: each
     dimension's busiest stage)."""
@@ -436,7 +528,7 @@ def traffic(model: Model, config: Config, seq: int, global_batch: int, dtype_byt
         "tp": (6 if c.recompute == "full" else 4) * layers * m * activation * ring(c.tp),
         "pp": _pp_sends(c, stage) * m * activation / (c.tp if c.sp else 1),
         "dp": dp_factor(c.zero, c.dp * c.cp, m) * params * dtype_bytes,
-        "cp": 3 * layers * m * kv * (c.cp - 1) if c.cp > 1 else 0.0,  # K/V around the ring, forward + backward
+        "cp": _cp_passes(c) * layers * m * kv,  # K/V (and their gradients) around the ring
     }
 
 
@@ -452,7 +544,7 @@ def ring_steps(model: Model, config: Config, global_batch: int, stage: int) -> d
         "tp": (6 if c.recompute == "full" else 4) * layers * m * 2 * (c.tp - 1),
         "pp": _pp_sends(c, stage) * m,
         "dp": per_layer * layers,
-        "cp": 3 * layers * m * (c.cp - 1),
+        "cp": _cp_passes(c) * layers * m,
     }
 
 
@@ -524,14 +616,16 @@ def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> 
 
 
 def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)):
-    """Every valid configuration (powers of two for dp, tp, pp; ``cp`` from ``cp``; every ZeRO stage;
-    micro-batches of 1, 2 or 4; each recomputation policy; with pipelines, 1F1B, interleaved with 2
-    or 4 chunks per rank and ZB-H1): the ones that fit first, fastest first, then the rest, by memory."""
+    """Every valid configuration (powers of two for dp, tp, pp; context parallelism of each size in
+    ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 14's zigzag layout: pass e.g.
+    ``cp=(1, 2, 4, 8, 16)`` to let it in; every ZeRO stage; micro-batches of 1, 2 or 4; each
+    recomputation policy; with pipelines, 1F1B, interleaved with 2 or 4 chunks per rank and ZB-H1):
+    the ones that fit first, fastest first, then the rest, by memory."""
     powers = [2**i for i in range(20) if 2**i <= cluster.gpus]
     schedules = {1: [("1f1b", 1)], 0: [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]}
     found = []
     for tp, pp, cp_, zero, b, recompute in itertools.product(powers, powers, cp, (0, 1, 2, 3), (1, 2, 4), RECOMPUTE):
-        if cluster.gpus % (tp * pp * cp_) or tp > cluster.per_node or pp > model.layers:
+        if cluster.gpus % (tp * pp * cp_) or tp > cluster.per_node or pp > model.layers or seq % (2 * cp_):
             continue
         for schedule, v in schedules[pp == 1]:
             config = Config(cluster.gpus // (tp * pp * cp_), tp, pp, cp_, zero, b, recompute, schedule=schedule, v=v)
@@ -602,6 +696,12 @@ def validation(seq: int = 8192) -> list:
 LLAMA3_405B_RUN = (LLAMA3_405B, Cluster(16384), 2048, 8192,
                    Config(dp=128, tp=8, pp=16, zero=2, micro_batch=1, recompute="selective", schedule="interleaved", v=4))
 
+# Its long-context stage (Table 4's third row as quoted from Meta's SC'24 slide; the paper itself not read here):
+# the same 16,384 GPUs, TP 8 x CP 16 x PP 16 (so DP 8), sequences of 131,072 tokens, 16M tokens (128 sequences)
+# per step; v, recomputation and ZeRO-2 assumed as above.
+LLAMA3_405B_LONG_RUN = (LLAMA3_405B, Cluster(16384), 128, 131072,
+                        Config(dp=8, tp=8, pp=16, cp=16, zero=2, micro_batch=1, recompute="selective",
+                               schedule="interleaved", v=4))
 
 def llama3_405b_check() -> dict:
     """Meta's layout for Llama 3 405B by this model: {"config", "fits", "GB", "seconds", "best", "best seconds",
