@@ -27,6 +27,7 @@ def test_every_benchmark_script_is_smoke_tested():
     assert scripts <= set(CASES), f"add a smoke test for {scripts - set(CASES)}"
 
 
+@pytest.mark.slow  # each script imports and runs what it measures: 30-40 s together, in .ci/run's slow part
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_runs_and_prints_its_table(script, tmp_path, monkeypatch, capsys):
     """The script runs as ``python benchmarks/SCRIPT ARGS`` would (runpy, as ``__main__``), but in

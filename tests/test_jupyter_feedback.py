@@ -149,6 +149,7 @@ def test_an_answer_that_raises_inside_a_check_is_a_verdict_with_the_cell_line(ke
     assert not any(internal in plain for internal in ("exercises.py", "nb15.py", "guard", "Traceback")), plain
 
 
+@pytest.mark.slow  # a second pytest session running nbval: in .ci/run's slow part
 def test_nbval_compares_a_verdicts_plain_text_not_its_markdown(tmp_path):
     """A stored verdict made before verdicts had a Markdown form (text/plain only, as every solution
     notebook's) still compares equal; a different plain text still fails."""

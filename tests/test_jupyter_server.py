@@ -101,6 +101,7 @@ def _ours(marker):
     return found
 
 
+@pytest.mark.slow  # a JupyterLab server and a kernel: in .ci/run's slow part
 def test_readme_jupyter_lab_runs_a_notebook_launch_cell_and_leaves_nothing_behind(tmp_path):
     readme = (ROOT / "README.md").read_text()
     assert "jupyter lab notebooks/" in readme  # the command this test runs (as `python -m jupyter lab`)

@@ -357,6 +357,7 @@ def _timed_launches(n):
     return spans
 
 
+@pytest.mark.slow  # two interpreters launching 4 ranks again and again: in .ci/run's slow part
 def test_two_notebooks_launching_at_the_same_time_never_collide(tmp_path):
     # This process and another one (two notebook kernels) launch 4 ranks each, over and over, at the
     # same time: each waits for the other before its first timed launch, and the test checks that
@@ -443,13 +444,14 @@ def launched_from_a_script(tmp_path_factory):
     return dict(zip(["fork", "spawn", "forkserver", "forkserver environment"], results))
 
 
+@pytest.mark.slow  # the script's spawned ranks each import torch: in .ci/run's slow part
 def test_functions_defined_in_main_work_with_every_start_method(launched_from_a_script):
     # A notebook's functions live in __main__: exactly what mp.spawn cannot pickle.
     for start_method in ("fork", "spawn", "forkserver"):
         assert [r[0] for r in launched_from_a_script[start_method]] == [102, 103], start_method
 
 
-@pytest.mark.parametrize("start_method", FORKING)
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("forkserver", marks=pytest.mark.slow)])  # slow: .ci/run's slow part
 def test_workers_die_with_the_kernel(tmp_path, start_method):
     """The stop button (SIGINT: the kernel lives on, and runs the cell again), then the kernel
     killed (SIGKILL): no orphans either time, and no forkserver. One script plays the kernel."""
@@ -653,11 +655,13 @@ def test_forkserver_ranks_may_use_several_threads():
     assert launch(job, 2, start_method="forkserver", threads=2, show=None, timeout=30) == [2, 2]
 
 
+@pytest.mark.slow  # launched_from_a_script
 def test_forkserver_ranks_see_the_environment_of_the_launch_not_of_the_server(launched_from_a_script):
     # The script started its server with COURSE_TEST_GONE set, then unset it and set COURSE_TEST_NEW.
     assert launched_from_a_script["forkserver environment"] == [(None, "now", "x")] * 2
 
 
+@pytest.mark.slow  # launched_from_a_script
 def test_the_timeout_counts_from_when_every_rank_has_started(launched_from_a_script):
     # Spawned ranks on a busy machine take seconds to start; the script's 2 s timeout did not count that ...
     assert [r[4] for r in launched_from_a_script["spawn"]] == ["unpickled"] * 2
@@ -666,6 +670,7 @@ def test_the_timeout_counts_from_when_every_rank_has_started(launched_from_a_scr
     assert stuck.value.ranks == [0, 1] and stuck.value.stacks[0].strip().endswith("in <lambda>")  # in fn, not starting
 
 
+@pytest.mark.slow  # launched_from_a_script
 def test_threads_above_one_are_refused_with_fork_but_work_with_spawn(launched_from_a_script):
     with pytest.raises(ValueError, match="start_method='spawn'"):
         launch(lambda r, w: None, 1, threads=2, start_method="fork")

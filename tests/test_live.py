@@ -54,7 +54,7 @@ class _Recording(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("forkserver", marks=pytest.mark.slow)])  # slow: .ci/run's slow part
 def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_method):
     """The build (nbclient) stores the cell; nbval then re-runs it and compares: it must pass,
     and the stored output must hold the replay, not the live lines. With fork (Linux) and with

@@ -244,6 +244,7 @@ def failing_jobs(tmp_path_factory):
     return {job: ([results[job, 0], results[job, 1]], folder) for job, folder in (("elastic", elastic), ("record", record))}
 
 
+@pytest.mark.slow  # two torchrun agents, each rank a fresh interpreter: in .ci/run's slow part
 def test_two_agents_restart_after_a_lost_rank_and_end_with_the_same_weights(failing_jobs, reference):
     """c10d rendezvous: the ranks are given out by the rendezvous and --node-rank is ignored.
     The first attempt (steps 1-20) and the resumed one (from step 16) together end with the
@@ -266,6 +267,7 @@ def error_files(log_dir, attempt, local_rank):
     return list(Path(log_dir).glob(f"*/attempt_{attempt}/{local_rank}/error.json"))
 
 
+@pytest.mark.slow  # failing_jobs: torchrun agents, in .ci/run's slow part
 def test_a_killed_rank_has_no_traceback_to_report(failing_jobs):
     """SIGKILL runs no Python: torchrun sees exit code -9 and no error file; its report then
     says only which signal, where a raising rank's report holds its traceback (@record)."""
@@ -282,6 +284,7 @@ def test_a_killed_rank_has_no_traceback_to_report(failing_jobs):
     assert "Signal 9 (SIGKILL) received by PID 4242" in report.format_msg()
 
 
+@pytest.mark.slow  # failing_jobs: torchrun agents, in .ci/run's slow part
 def test_two_torchrun_agents_with_a_static_rendezvous(failing_jobs):
     results, folder = failing_jobs["record"]
     outputs = [r.output for r in results]
@@ -290,6 +293,7 @@ def test_two_torchrun_agents_with_a_static_rendezvous(failing_jobs):
     assert ranks_and_nodes == [("0", "0"), ("1", "1")]  # each agent's --node-rank decided its rank
 
 
+@pytest.mark.slow  # failing_jobs: torchrun agents, in .ci/run's slow part
 def test_record_puts_the_failing_ranks_traceback_in_torchruns_report(failing_jobs):
     results, folder = failing_jobs["record"]
     node1 = results[1]  # the agent of rank 1 (static rendezvous: --node-rank=1)
@@ -359,6 +363,7 @@ def slurm_and_mpi_jobs(tmp_path_factory):
     return results, base
 
 
+@pytest.mark.slow  # a fake srun starts torchrun agents: in .ci/run's slow part
 def test_sbatch_template_under_a_fake_srun(slurm_and_mpi_jobs, reference):
     results, folder = slurm_and_mpi_jobs
     out = ok(results["slurm"])
@@ -375,6 +380,7 @@ def test_sbatch_template_asks_for_what_it_says():
     assert subprocess.run(["bash", "-n", ROOT / "scripts" / "train.sbatch"]).returncode == 0
 
 
+@pytest.mark.slow  # slurm_and_mpi_jobs: in .ci/run's slow part
 @pytest.mark.skipif(find_mpirun() is None, reason="mpirun not found: pip install mpich, or install Open MPI or MPICH")
 def test_mpirun(slurm_and_mpi_jobs, reference):
     results, folder = slurm_and_mpi_jobs
