@@ -27,6 +27,9 @@ nbval runs every notebook it collects, one pytest item per code cell.
   without xdist, notebooks run first.
 """
 
+import json
+import os
+import time
 from pathlib import Path
 
 import nbformat
@@ -82,6 +85,22 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("repeats_solution_notebook") and Path(callspec.params["path"]).name in solutions_here:
             item.add_marker(pytest.mark.skip(reason=f"solutions/{Path(callspec.params['path']).name} runs it in this session"))
     items.sort(key=lambda i: not _is_notebook_cell(i))  # stable: notebooks first, in order
+
+
+TIMELINE = "COURSE_TEST_TIMELINE"  # a file: each test's worker, file, start and end are appended to it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``COURSE_TEST_TIMELINE=FILE`` (benchmarks/notebook_times.py --suite sets it), note when each
+    test ran on which xdist worker: how busy each worker was, and which file ran last."""
+    start = time.time()
+    yield
+    path = os.environ.get(TIMELINE)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "file": item.nodeid.split("::")[0],
+                                "start": start, "end": time.time()}) + "\n")
 
 
 @pytest.fixture

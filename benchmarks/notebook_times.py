@@ -12,6 +12,8 @@ run has not already executed in the same state (see conftest.py).
 
 import argparse
 import collections
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,10 +28,29 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_LIMIT_S, SUITE_LIMIT_S = 45, 360
 
 
-def run_pytest(args):
+def run_pytest(args, env=None):
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})})
     return time.perf_counter() - start, done.returncode == 0
+
+
+def workers(timeline):
+    """Each xdist worker's busy seconds, when it finished (from the suite's start) and its last
+    files, from the lines conftest.py appends to ``COURSE_TEST_TIMELINE``: where the wall time went
+    when one worker still runs and the other has nothing left."""
+    runs = [json.loads(line) for line in Path(timeline).read_text().splitlines()]
+    if not runs:
+        return []
+    t0 = min(r["start"] for r in runs)
+    rows = []
+    for worker in sorted({r["worker"] for r in runs}):
+        mine = sorted((r for r in runs if r["worker"] == worker), key=lambda r: r["start"])
+        files = list(dict.fromkeys(r["file"] for r in mine))
+        spans = {f: sum(r["end"] - r["start"] for r in mine if r["file"] == f) for f in files[-3:]}
+        rows.append([worker, f"{sum(r['end'] - r['start'] for r in mine):.0f}", f"{mine[-1]['end'] - t0:.0f}",
+                     ", ".join(f"{f} {s:.0f} s" for f, s in spans.items())])
+    return rows
 
 
 def failures(junit_xml):
@@ -83,15 +104,19 @@ def time_alone(only, paths=()):
 def time_suite():
     common.header("The whole suite: pytest (README's test command)")
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp, "junit.xml")
-        seconds, ok = run_pytest([f"--junitxml={report}"])
+        report, timeline = Path(tmp, "junit.xml"), Path(tmp, "timeline.jsonl")
+        timeline.touch()
+        seconds, ok = run_pytest([f"--junitxml={report}"], env={"COURSE_TEST_TIMELINE": str(timeline)})
         per_file = seconds_per_file(report) if report.exists() else {}
         failed = failures(report) if report.exists() else []
+        per_worker = workers(timeline)
     notebooks = sorted(f for f in per_file if f.endswith(".ipynb"))
     rows = [[f, f"{per_file[f]:.1f}"] for f in notebooks]
     rest = sum(t for f, t in per_file.items() if not f.endswith(".ipynb"))
     rows.append(["tests/ (all other tests)", f"{rest:.1f}"])
     common.table(["inside the suite", "seconds"], rows)
+    print()
+    common.table(["worker", "busy s", "done at s", "its last files"], per_worker)
     verdict = "met" if seconds <= SUITE_LIMIT_S else "MISSED"
     for name in failed:
         print(f"FAILED {name}")
