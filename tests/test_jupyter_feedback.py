@@ -217,6 +217,13 @@ def once(event, after=0):  # a press at the event, once, after it has passed ``a
             get_ipython().events.unregister(event, press_once)
             press()
     get_ipython().events.register(event, press_once)
+def press_in_transform_cell():  # ipykernel's do_execute calls it before the cell's first line, once
+    transform = get_ipython().transform_cell
+    def pressing(code):
+        get_ipython().transform_cell = transform
+        press()
+        return transform(code)
+    get_ipython().transform_cell = pressing
 class PressedAsLaunchBegins(interrupts.Interrupts):  # created by course.launch before its handler is in
     def __init__(self):
         press()
@@ -226,7 +233,9 @@ class PressedAsLaunchBegins(interrupts.Interrupts):  # created by course.launch 
 
 def test_a_press_while_no_rank_runs_ends_in_one_line_that_says_where(kernel):
     """The instants between launches (issue 39): in the kernel's own code before a cell's first line
-    (raised there, the cell does not run on; Python's handler lost it), in the cell's own top-level
+    (raised there, the cell does not run; with Python's handler ipykernel only logged "KeyboardInterrupt
+    caught in kernel" and skipped the cell without a word or a reply, Run All went on; a press in a
+    pre_run_cell callback was a traceback, and the cell ran), in the cell's own top-level
     line, in course.launch before it notes presses (no rank started), and in the kernel's code after
     the cell's last line (shown at its end). Each time one line, the cell fails (Run All stops), no
     rank left; a press inside a function of the student's is the usual traceback."""
@@ -250,10 +259,11 @@ def test_a_press_while_no_rank_runs_ends_in_one_line_that_says_where(kernel):
         shown = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
         return reply["content"]["status"], reply["content"]["execution_count"], errors, shown
 
-    run("once('pre_run_cell')")
-    status, n, errors, shown = run("print('ran')\nprint('on')\n")
-    assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at Cell In[{n}], line 1 "
-                                                   "while no rank was running."]], "")
+    for before_the_cell in ("press_in_transform_cell()", "once('pre_run_cell')"):  # Python's handler: lost
+        run(before_the_cell)
+        status, n, errors, shown = run("print('ran')\nprint('on')\n")
+        assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at Cell In[{n}], line 1 "
+                                                       "while no rank was running."]], ""), before_the_cell
     status, n, errors, shown = run("print('ran')\nos.kill(os.getpid(), signal.SIGINT)\nprint('on')\n")
     assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at Cell In[{n}], line 2 "
                                                    "while no rank was running."]], "ran\n")
