@@ -147,8 +147,9 @@ def watch_cells(shell):
     doc): the kernel's hook that sets Python's handler before each request sets ours after it, and
     a press the cell's lines never saw stops Run All at the cell's end. Once per kernel."""
     kernel = getattr(shell, "kernel", None)
-    if kernel is None or any(watched is shell for watched in _watched):
-        return
+    hooks = all(hasattr(kernel, hook) for hook in ("pre_handler_hook", "post_handler_hook"))
+    if not hooks or not hasattr(shell.compile, "format_code_name") or any(watched is shell for watched in _watched):
+        return  # not a kernel, one older than these hooks (Python's handler stays), or hooked already
     _watched.append(shell)
     before, after = kernel.pre_handler_hook, kernel.post_handler_hook
 
