@@ -24,6 +24,7 @@ from course.runtime import interrupts
 
 SEALED = "COURSE_JUDGE_SEALED"  # set by the grader when the judge runs in a sandbox of its own
 VERDICTS = {"correct": "correct", "wrong": "wrong", "todo": "not attempted", "error": "error"}
+WAKE = 0.2  # seconds: the longest the judge waits on a check's child without looking for a Ctrl-C
 
 
 def match(line, token: str):
@@ -202,12 +203,13 @@ def _in_child(fn, timeout: float, keep_closed=()) -> dict:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
             while not pressed:
                 left = deadline - time.monotonic()
-                ready = select.select([pipe, pressed], [], [], max(left, 0))[0] if left > 0 else []
-                if pressed:
-                    break
-                if not ready:
+                if left <= 0:
                     late = True
                     break
+                # A press wakes select through ``pressed``, unless another thread took the signal:
+                # then Python runs the handler only at the main thread's next bytecode, so look often.
+                if not select.select([pipe, pressed], [], [], min(left, WAKE))[0] or pressed:
+                    continue
                 data = pipe.read(1 << 16)
                 if not data:
                     break
