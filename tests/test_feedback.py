@@ -184,6 +184,21 @@ def test_wrong_and_correct_unchanged():
     assert repr(correct()) == "✅ : correct!"
 
 
+def test_a_long_hint_shows_in_lines_that_fit_between_words_and_its_message_is_unchanged():
+    """JupyterLab breaks a printed line wider than its output area mid-word (issue 39): a wrong
+    verdict's plain text is cut between words into lines of at most 100 characters; the message
+    (the grader's CSV) and the Markdown (which Jupyter wraps itself) keep it whole."""
+    hint = ("the all-gather of every rank's shard must come before the forward of its unit, and the "
+            "reduce-scatter of its gradient after the backward; see `course.parallel.fsdp.unit_forward`"
+            " and /a/path/that/is/one/word/longer/than/a/line/" + "x" * 100)
+    feedback = Feedback("Exercise 5 (fully_shard_by_hand)", "wrong", wrong(hint).message)
+    lines = repr(feedback).split("\n")
+    assert len(lines) == 4 and all(len(line) <= 100 for line in lines[:3]) and lines[3].startswith("/a/path"), lines
+    assert " ".join(lines) == f"❌ Exercise 5 (fully_shard_by_hand): {feedback.message}"  # only cut, between words
+    assert "all-gather" in repr(feedback) and feedback.message == f"not yet. Hint: {hint}"
+    assert "\n" not in feedback._repr_markdown_()
+
+
 def test_worker_error_carries_the_whole_reason_and_the_callers_line():
     from course.runtime.worker import WorkerError
 

@@ -4,6 +4,7 @@ kernels, are in tests/test_grading_attacks.py (marked slow)."""
 
 import csv
 import json
+import subprocess
 import sys
 
 import nbformat
@@ -52,6 +53,9 @@ def test_the_judge_ignores_forged_replies_and_is_started_again_when_it_dies():
         assert verdict == "error" and "judge stopped" in feedback
         assert j.judge("01", "weight_grad", "", 10) == ("wrong", "weight_grad")  # a new judge
         assert j.restarts == 1
+        j.kill()  # grading was stopped (Ctrl-C): no judge is started again for the answers left
+        assert j.judge("01", "weight_grad", "", 10) == ("error", "grading was stopped before this answer was judged")
+        assert j.restarts == 1 and j.process.poll() is not None
     finally:
         j.close()
     assert j.process.poll() is not None
@@ -76,6 +80,59 @@ def test_a_judge_killed_while_judging_answers_at_once_and_judges_nothing_more():
     assert j.judge("01", "weight_grad", "", 10) == ("error", "grading was stopped before this answer was judged")
     assert j.restarts == 0 and j.process.poll() is not None
     j.close()
+
+
+PRESSES_WHILE_JUDGING = r"""
+import os, signal, sys, threading, time
+import psutil
+from course.classroom.judge import _in_child
+
+def slow():  # until killed: a press not acted on ends in the test's timeout; gone with its parent
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.05)
+    return {"status": "correct", "message": "finished"}
+
+seen = []
+for delay in [0, 0.0002, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.02, 0.1]:
+    press = threading.Timer(delay, os.killpg, (0, signal.SIGINT))  # Ctrl-C: this whole process group
+    try:
+        press.start()
+        _in_child(slow, 60)
+        seen.append("finished")
+    except KeyboardInterrupt as e:
+        seen.append(str(e) or "before")
+    press.join()
+    left = psutil.Process().children(recursive=True)
+    assert left == [], (delay, left)  # the child and its group killed and reaped: no zombie
+quick = _in_child(lambda: {"status": "correct", "message": "ok"}, 60)
+print(sorted(set(seen)), quick)
+"""
+
+
+def test_ctrl_c_while_the_judge_forks_a_check_stops_it_and_leaves_no_process():
+    """Ctrl-C (SIGINT to the process group) at several instants of ``_in_child``'s fork and wait:
+    a KeyboardInterrupt each time, the child (and its group) killed and reaped, nothing printed
+    ("Exception ignored" would be a press lost in a fork), and the next judging works."""
+    result = subprocess.run([sys.executable, "-c", PRESSES_WHILE_JUDGING], capture_output=True, text=True,
+                            timeout=120, start_new_session=True, cwd=ROOT)  # a group of its own to press in
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    seen, quick = result.stdout.rsplit("] ", 1)
+    assert set(eval(seen + "]")) <= {"before", "interrupted while judging: the check's process was stopped"}, seen
+    assert "interrupted while judging" in seen
+    assert quick == "{'status': 'correct', 'message': 'ok'}\n"
+
+
+def test_ctrl_c_in_course_progress_ends_in_one_line(monkeypatch, tmp_path, capsys):
+    from course.classroom import grading
+
+    def pressed(*args, **kwargs):
+        raise KeyboardInterrupt  # grade_notebooks stops what it ran, then lets it through
+
+    monkeypatch.setattr(grading, "grade_notebooks", pressed)
+    (tmp_path / "01_single_device.ipynb").write_text("{}")
+    assert grading.progress([tmp_path]) == 130
+    assert capsys.readouterr() == ("", "progress stopped (Ctrl-C): no verdicts\n")
 
 
 def test_which_files_are_course_notebooks(tmp_path):

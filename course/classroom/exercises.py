@@ -46,11 +46,13 @@ import functools
 import json
 import re
 import sys
+import textwrap
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 ICONS = {"correct": "✅", "wrong": "❌", "todo": "✏️"}
+LINE = 100  # characters a printed line may take: JupyterLab's output area breaks wider ones mid-word
 SOLUTIONS_FILE = Path(__file__).parents[1] / "checks" / "solutions.json"
 
 
@@ -63,6 +65,8 @@ class Feedback:
 
     def __repr__(self) -> str:
         text = f"{ICONS[self.status]} {self.exercise}: {self.message}"
+        if self.status == "wrong":  # a hint is prose: cut between words into lines that fit
+            text = "\n".join(_fit(line) for line in text.split("\n"))
         return text + "".join(f"\n    {line}" for line in self.details.splitlines())
 
     def _repr_markdown_(self) -> str:
@@ -70,6 +74,14 @@ class Feedback:
 
     def __bool__(self) -> bool:
         return self.status == "correct"
+
+
+def _fit(line: str) -> str:
+    """``line`` cut between words into lines of at most :data:`LINE` characters (a word longer
+    than that, a path say, stays whole); "all-gather" is one word."""
+    if len(line) <= LINE:
+        return line
+    return textwrap.fill(line, width=LINE, break_long_words=False, break_on_hyphens=False)
 
 
 def correct(message="correct!") -> Feedback:

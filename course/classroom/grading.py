@@ -42,6 +42,7 @@ from course.classroom.judge import SEALED, Judge
 from course.classroom.report import Verdict
 from course.classroom.runner import GraderError, Limits, run_notebook
 from course.classroom.submissions import exercise_table, find_submissions, identify
+from course.runtime import interrupts
 
 FINAL_NOTE = " (judged on its final definition, further down the notebook: where the exercise stands it was still the stub)"
 
@@ -200,13 +201,14 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
             for future in [pool.submit(grade_one, item) for item in chosen.items()]:
                 future.result()
         except BaseException:
-            stop.set()  # told to stop (SIGINT, SIGTERM): kill what runs, keep what was graded
-            runner.stop_all()
-            judge.kill()  # and a check it may be running: no waiting for its verdict
+            with interrupts.noted():  # a second Ctrl-C cannot break the cleanup: noted, not raised
+                stop.set()  # told to stop (SIGINT, SIGTERM): kill what runs, keep what was graded
+                runner.stop_all()
+                judge.kill()
+                pool.shutdown(wait=True, cancel_futures=True)
             raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            judge.close()
+        pool.shutdown(wait=True)
+        judge.close()
         if judge.ignored:  # someone wrote into the judge's pipe: only possible without the sandbox
             log(f"WARNING: {judge.ignored} lines in the judge's replies answered no request (forged?) and were ignored")
         for student in dict.fromkeys(s for s, _ in chosen):
@@ -287,7 +289,11 @@ def progress(paths=(), limits: Limits = Limits(), jobs: int = 1) -> int:
     notebooks = [p for path in map(Path, paths) for p in (sorted(path.glob("[0-9][0-9]_*.ipynb")) if path.is_dir() else [path])]
     if not notebooks:
         raise SystemExit("no notebooks found in " + " ".join(map(str, paths)))
-    verdicts = grade_notebooks([("you", p) for p in notebooks], limits, log=lambda s: print(s, file=sys.stderr, flush=True),
-                               jobs=jobs, sealed=False)  # your own notebooks: no sandbox needed
+    try:
+        verdicts = grade_notebooks([("you", p) for p in notebooks], limits, log=lambda s: print(s, file=sys.stderr, flush=True),
+                                   jobs=jobs, sealed=False)  # your own notebooks: no sandbox needed
+    except KeyboardInterrupt:  # Ctrl-C: everything it ran is stopped; one line, no traceback
+        print("progress stopped (Ctrl-C): no verdicts", file=sys.stderr)
+        return 130
     print(report.progress_table(verdicts))
     return 0

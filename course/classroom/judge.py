@@ -20,8 +20,11 @@ import sys
 import threading
 import time
 
+from course.runtime import interrupts
+
 SEALED = "COURSE_JUDGE_SEALED"  # set by the grader when the judge runs in a sandbox of its own
 VERDICTS = {"correct": "correct", "wrong": "wrong", "todo": "not attempted", "error": "error"}
+WAKE = 0.2  # seconds: the longest the judge waits on a check's child without looking for a Ctrl-C
 
 
 def match(line, token: str):
@@ -52,7 +55,7 @@ class Judge:
         self.numbers, self.env, self.lock = list(numbers), env, threading.Lock()  # one request at a time
         self.command = command or (lambda argv: argv)
         self.ignored, self.restarts = 0, 0  # lines that answered no request; judges started again
-        self.stopped = False  # kill()ed: judges nothing more, starts no new judge
+        self.stopped = False
         self._start()
 
     def _start(self):
@@ -66,7 +69,7 @@ class Judge:
         except (queue.Empty, ValueError):
             hello = None
         if not isinstance(hello, dict):
-            self._kill()
+            self._stop()
             raise RuntimeError("the judge process did not start: run `python -m course doctor`")
         self.titles, self.broken = hello.get("titles", {}), hello.get("broken", {})
 
@@ -104,7 +107,7 @@ class Judge:
             if self.stopped:
                 return "error", "grading was stopped before this answer was judged"
             if self.process.poll() is not None:  # the last answer killed it
-                self._kill()
+                self._stop()
                 self.restarts += 1
                 try:
                     self._start()
@@ -119,18 +122,17 @@ class Judge:
                 pass  # it died: no reply comes
             reply = self._reply(token, timeout + 60)
             if reply is None:
-                self._kill()  # dead, or stuck: the next request starts a new one
+                self._stop()  # dead, or stuck: the next request starts a new one
         if reply is None:
             return "error", "the judge stopped while judging this answer (the answer killed it, or it ran out of time)"
         return VERDICTS[reply["status"]], reply["message"]
 
     def kill(self):
-        """Stop the judge now, with any check it is running, and judge nothing more (the grader
-        was told to stop)."""
+        """Stop the judge now (kills what it judges); ``stopped`` (grading was stopped): start no other."""
         self.stopped = True
-        self._kill()
+        self._stop()
 
-    def _kill(self):
+    def _stop(self):
         if self.process.poll() is None:  # not reaped yet: its process group id is still its own
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)  # its sandbox, or the children it forked
@@ -145,7 +147,7 @@ class Judge:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 pass
-        self._kill()
+        self._stop()
 
 
 def _judge_one(exercise, answers: str) -> dict:
@@ -171,44 +173,60 @@ def _judge_one(exercise, answers: str) -> dict:
 
 
 def _in_child(fn, timeout: float, keep_closed=()) -> dict:
-    """``fn()`` (a dict) in a forked child of its own process group, killed after ``timeout`` s."""
+    """``fn()`` (a dict) in a forked child of its own process group, killed after ``timeout`` s.
+    Ctrl-C (SIGINT to this process's group) is noted, as course.launch notes it: the child is
+    killed and reaped, then KeyboardInterrupt raised; the child drops a press that came before it
+    left this group (it starts with SIGINT blocked), so none is lost in the fork or the cleanup."""
     sys.stdout.flush()
     sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no way back to the grader but its pipe
-        code = 1
+    with interrupts.noted() as pressed:
+        read_end, write_end = os.pipe()
+        with interrupts.held_back():
+            pid = os.fork()
+        if pid == 0:  # the child: no way back to the grader but its pipe
+            code = 1
+            try:
+                os.close(read_end)
+                for fd in keep_closed:
+                    os.close(fd)
+                os.setpgid(0, 0)
+                interrupts.let_through()
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                data = json.dumps(fn()).encode()
+                with os.fdopen(write_end, "wb") as pipe:
+                    pipe.write(data)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        chunks, deadline, late = [], time.monotonic() + timeout, False
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while not pressed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = True
+                    break
+                # A press wakes select through ``pressed``, unless another thread took the signal:
+                # then Python runs the handler only at the main thread's next bytecode, so look often.
+                if not select.select([pipe, pressed], [], [], min(left, WAKE))[0] or pressed:
+                    continue
+                data = pipe.read(1 << 16)
+                if not data:
+                    break
+                chunks.append(data)
         try:
-            os.close(read_end)
-            for fd in keep_closed:
-                os.close(fd)
-            os.setpgid(0, 0)
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            data = json.dumps(fn()).encode()
-            with os.fdopen(write_end, "wb") as pipe:
-                pipe.write(data)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    chunks, deadline, late = [], time.monotonic() + timeout, False
-    with os.fdopen(read_end, "rb", buffering=0) as pipe:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([pipe], [], [], left)[0]:
-                late = True
-                break
-            data = pipe.read(1 << 16)
-            if not data:
-                break
-            chunks.append(data)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the check's ranks, if any are left
-    except OSError:
-        pass
-    _, status = os.waitpid(pid, 0)
+            os.killpg(pid, signal.SIGKILL)  # the check's ranks, if any are left
+        except OSError:
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)  # pressed before it had a group of its own
+        except OSError:
+            pass
+        _, status = os.waitpid(pid, 0)
+    if pressed:
+        raise KeyboardInterrupt("interrupted while judging: the check's process was stopped")
     if late:
         return {"status": "error", "message": f"the check ran past its {timeout:g} s limit"}
     try:
@@ -271,4 +289,7 @@ def _kill_strangers():
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m course.classroom.judge NN [NN ...]  (the grader starts this; see python -m course grade)")
-    sys.exit(serve(sys.argv[1:]))
+    try:
+        sys.exit(serve(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C, the check being judged stopped (_in_child): no traceback
+        sys.exit(130)

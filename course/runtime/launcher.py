@@ -115,6 +115,14 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickl
 STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
 STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
+# A press outside noted() in launch's first and last bytecodes finds no rank running; in a Jupyter
+# kernel, a press between launches ends in one line too (see course.runtime.interrupts).
+interrupts.no_ranks_in(__file__)
+if live.in_jupyter():
+    from IPython import get_ipython
+
+    interrupts.watch_cells(get_ipython())
+
 
 def default_threads(world_size: int) -> int:
     """Intra-op threads per rank so that all ranks together use the available cores once."""
