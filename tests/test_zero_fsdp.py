@@ -169,12 +169,21 @@ def _drop_in_model(repeat=True):
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Linear(5, 3))
     model[4].weight = model[2].weight
     model[0].bias.requires_grad_(False)
+    return model, _groups_of(model, repeat)
+
+
+def _groups_of(model, repeat=True):
+    """_drop_in_model's param groups, for ``model`` (a model of that shape)."""
     first = list(model[0].parameters()) + list(model[2].parameters())
     rest = [model[4].weight] * repeat + [model[4].bias] + list(model[5].parameters())  # counted once
-    return model, [{"params": first, "weight_decay": 0.1}, {"params": rest, "lr": 0.05}]
+    return [{"params": first, "weight_decay": 0.1}, {"params": rest, "lr": 0.05}]
 
 
-def _drop_in_vs_zero_redundancy(rank, world_size, steps=3):
+def _drop_in_vs_zero_redundancy(rank, world_size, saved=None, steps=3):
+    """Ours and torch's ZeroRedundancyOptimizer side by side, each with an LR scheduler, step for step;
+    then both states consolidated on rank 0 and compared, and ours loaded on every rank into a fresh
+    optimizer, which takes the next step as the original does. With ``saved`` (rank 0's last result of
+    another number of ranks), both load those states and take one step alike."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     reference, reference_groups = _drop_in_model(repeat=False)
@@ -182,47 +191,100 @@ def _drop_in_vs_zero_redundancy(rank, world_size, steps=3):
     theirs = ZeroRedundancyOptimizer(reference_groups, optimizer_class=torch.optim.AdamW, lr=0.1)
     model, groups = _drop_in_model()
     ours = course.parallel.zero.ShardedOptimizer(groups, torch.optim.AdamW, lr=0.1)
-    differences, batches = [], []
-    for step in range(steps + 1):
-        batches.append(_small_data(10 * step + rank))
-    for step, (x, y) in enumerate(batches[:steps]):
+    every_second, every = (lambda step: 0.5 ** (step // 2)), (lambda step: 0.5**step)  # one per param group
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, [every_second, every]) for o in (theirs, ours)]
+    differences, batches = [], [_small_data(10 * step + rank) for step in range(steps + 1)]
+    for x, y in batches[:steps]:
         theirs.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         theirs.step()
-        ours.zero_grad()
+        ours.zero_grad(set_to_none=True)
+        emptied = all(p.grad is None for p in model.parameters())
         nn.functional.mse_loss(model(x), y).backward()
         ours.step()
+        for scheduler in schedulers:
+            scheduler.step()
         differences.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.parameters())))
-    # state_dict round trip: a fresh model and optimizer, loaded, take the next step exactly as the first
-    state = copy.deepcopy(ours.state_dict())  # as if saved: loading must not share tensors with `ours`
+    ours.zero_grad(set_to_none=False)
+    zeroed = all(p.grad is None or not p.grad.any() for p in model.parameters())
+    for o in (theirs, ours):
+        o.consolidate_state_dict(to=0)
+    whole = ours.state_dict() if rank == 0 else None
+    to_save = (copy.deepcopy(whole), copy.deepcopy(theirs.state_dict()), copy.deepcopy(model.state_dict())) \
+        if rank == 0 else None
+    state_off = None
+    if rank == 0:  # the same state as theirs, parameter by parameter, and the same groups' options
+        mine, their_state = whole, theirs.state_dict()
+        assert mine["state"].keys() == their_state["state"].keys() and sorted(mine["state"]) == [0, 2, 3, 4, 5, 6]  # not the frozen bias
+        state_off = max((mine["state"][i][k] - v).abs().max().item() for i, s in their_state["state"].items()
+                        for k, v in s.items())
+        assert [{k: g[k] for k in ("lr", "weight_decay", "params")} for g in mine["param_groups"]] == \
+            [{k: g[k] for k in ("lr", "weight_decay", "params")} for g in their_state["param_groups"]]
+    else:
+        with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+            ours.state_dict()
+    shared = [copy.deepcopy(whole)]  # as if saved by rank 0 and read by every rank
+    torch.distributed.broadcast_object_list(shared, src=0)
     twin, twin_groups = _drop_in_model()
     twin.load_state_dict(model.state_dict())
     restored = course.parallel.zero.ShardedOptimizer(twin_groups, torch.optim.AdamW, lr=0.1)
-    restored.load_state_dict(state)
+    restored.load_state_dict(shared[0])
     for m, o in ((model, ours), (twin, restored)):
         o.zero_grad()
         nn.functional.mse_loss(m(batches[-1][0]), batches[-1][1]).backward()
         o.step()
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-    lrs = [g["lr"] for g in ours.param_groups]
-    return differences, model[0].bias.detach().clone(), reference[0].bias.detach().clone(), same, lrs
+    lrs = [(g["lr"], r["lr"], t["lr"]) for g, r, t in zip(ours.param_groups, restored.param_groups, theirs.param_groups)]
+    checks = {"optimizer": isinstance(ours, torch.optim.Optimizer), "emptied": emptied, "zeroed": zeroed}
+    resumed = None
+    if saved is not None:  # saved on another number of ranks: each optimizer loads its own state, from the same weights
+        our_state, their_state, weights = saved
+        mine, _ = _drop_in_model()
+        mine.load_state_dict(weights)
+        resumed_ours = course.parallel.zero.ShardedOptimizer(_groups_of(mine), torch.optim.AdamW, lr=0.1)
+        resumed_ours.load_state_dict(our_state)
+        other, _ = _drop_in_model()
+        other.load_state_dict(weights)
+        other_ddp = DDP(other)
+        resumed_theirs = ZeroRedundancyOptimizer(_groups_of(other, repeat=False), optimizer_class=torch.optim.AdamW,
+                                                 lr=0.1)
+        resumed_theirs.load_state_dict(their_state)
+        for m, o in ((mine, resumed_ours), (other_ddp, resumed_theirs)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(batches[-1][0]), batches[-1][1]).backward()
+            o.step()
+        resumed = max((p - q).abs().max().item() for p, q in zip(mine.parameters(), other.parameters()))
+    return (differences, model[0].bias.detach().clone(), reference[0].bias.detach().clone(), same, lrs, state_off,
+            checks, resumed, to_save)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_sharded_optimizer_steps_like_zero_redundancy_optimizer(world_size):
-    for differences, frozen, their_frozen, same, lrs in launch(_drop_in_vs_zero_redundancy, world_size, show=None,
-                                                                timeout=120):
-        assert all(d < 1e-6 for d in differences), differences  # step for step, param groups' options included
+def test_sharded_optimizer_is_a_drop_in_for_zero_redundancy_optimizer():
+    on_two = launch(_drop_in_vs_zero_redundancy, 2, show=None, timeout=120)
+    on_three = launch(_drop_in_vs_zero_redundancy, 3, on_two[0][-1], show=None, timeout=120)  # rank 0's states
+    assert all(r[-2] < 1e-6 for r in on_three)  # a state saved on 2 ranks, loaded on 3: one step as theirs
+    for differences, frozen, their_frozen, same, lrs, state_off, checks, _, _ in on_two + on_three:
+        assert checks == {"optimizer": True, "emptied": True, "zeroed": True}  # zero_grad(set_to_none=...) as torch's
+        # step for step, with param groups' options, and an LR scheduler changing each group's lr its own way
+        assert all(d < 1e-6 for d in differences), differences
         assert torch.equal(frozen, their_frozen)  # the frozen bias untouched by weight decay, as theirs
-        assert same  # state_dict() -> load_state_dict() continues bit for bit
-        assert lrs == [0.1, 0.05]
+        assert lrs == [(0.05, 0.05, 0.05), (0.05 * 0.125, 0.05 * 0.125, 0.05 * 0.125)], lrs
+        assert state_off is None or state_off < 1e-6  # rank 0: the consolidated state is theirs
+        assert same  # consolidate_state_dict -> state_dict -> load_state_dict continues bit for bit
 
 
 def test_sharded_optimizer_rejects_a_state_of_other_groups():
     optimizer = object.__new__(course.parallel.zero.ShardedOptimizer)
-    optimizer.parts = [None]
-    with pytest.raises(ValueError, match="a state of 2 param groups for an optimizer of 1"):
-        optimizer.load_state_dict({"groups": [{}, {}]})
+    optimizer.param_groups = [{"params": [torch.zeros(2)]}]
+    with pytest.raises(ValueError, match=r"param groups of \[1, 1\] parameters for an optimizer of \[1\]"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]})
+
+
+def test_sharded_optimizer_names_a_trainable_parameter_without_a_gradient():
+    optimizer = object.__new__(course.parallel.zero.ShardedOptimizer)  # no process group needed to refuse
+    p = nn.Parameter(torch.zeros(2, 3))
+    optimizer.param_groups, optimizer.parts = [{"params": [p]}], [([p], None, None)]
+    with pytest.raises(RuntimeError, match=r"no gradient for trainable parameters of shapes \[\(2, 3\)\]"):
+        optimizer.step()
 
 
 def test_flat_padded_pads_to_a_multiple_of_the_world_size():
@@ -437,26 +499,32 @@ def _by_hand_vs_ddp(rank, world_size, kind, stage, dtype=None, steps=3):
             "master_dtypes": {s.dtype for s in shards.values()}}
 
 
+def _by_hand_cases(rank, world_size, cases):
+    """_by_hand_vs_ddp for each (kind, stage, dtype) of ``cases``, in one launch."""
+    return [_by_hand_vs_ddp(rank, world_size, *case) for case in cases]
+
+
+BY_HAND_CASES = [(kind, stage, None) for kind in ("frozen", "tied", "blocks") for stage in (2, 3)]
+BFLOAT16_CASE = ("blocks", 3, torch.bfloat16)
+
+
 @needs_part_ii_torch
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["frozen", "tied", "blocks"])
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero2_and_zero3_by_hand_equal_ddp_with_adam(world_size, kind, stage):
-    results = launch(_by_hand_vs_ddp, world_size, kind, stage, show=None, timeout=120)
-    for r in results:
-        # bit for bit on 2 ranks; on 3 and 4 the sums over ranks are added in another order than DDP's buckets
-        assert r["difference"] == 0 if world_size == 2 else r["difference"] < 1e-5, r["difference"]
-        if stage == 3:
-            assert not any(any(w) for w in r["whole_at_rest"])  # ZeRO-3: only shards between steps
-        else:
-            assert all(all(w) for w in r["whole_at_rest"])  # ZeRO-2: parameters whole
-
-
-@needs_part_ii_torch
-def test_zero3_by_hand_computes_in_bfloat16_with_float32_masters():
-    for r in launch(_by_hand_vs_ddp, 2, "blocks", 3, torch.bfloat16, show=None, timeout=120):
-        assert r["dtypes"] == {torch.bfloat16} and r["master_dtypes"] == {torch.float32}
-        assert 0 < r["difference"] < 0.1  # bfloat16 compute: close to float32 DDP, not equal
+def test_zero2_and_zero3_by_hand_equal_ddp_with_adam(world_size):
+    """Every kind of model, both stages (and, on 2 ranks, ZeRO-3 computing in bfloat16) in one launch."""
+    cases = BY_HAND_CASES + [BFLOAT16_CASE] * (world_size == 2)  # one launch for all
+    for results in launch(_by_hand_cases, world_size, cases, show=None, timeout=120):
+        for (kind, stage, dtype), r in zip(cases, results):
+            if dtype is not None:  # our ZeRO-3 computing in bfloat16, with float32 masters
+                assert r["dtypes"] == {torch.bfloat16} and r["master_dtypes"] == {torch.float32}
+                assert 0 < r["difference"] < 0.1  # bfloat16 compute: close to float32 DDP, not equal
+                continue
+            # bit for bit on 2 ranks; on 3 and 4 the sums over ranks are added in another order than DDP's buckets
+            assert r["difference"] == 0 if world_size == 2 else r["difference"] < 1e-5, (kind, stage, r["difference"])
+            if stage == 3:
+                assert not any(any(w) for w in r["whole_at_rest"]), kind  # ZeRO-3: only shards between steps
+            else:
+                assert all(all(w) for w in r["whole_at_rest"]), kind  # ZeRO-2: parameters whole
 
 
 def _masters(rank, world_size, kind):
@@ -476,24 +544,26 @@ def _masters(rank, world_size, kind):
 
 
 @needs_part_ii_torch
-@pytest.mark.parametrize("kind", ["frozen", "tied"])
-def test_gather_masters_gives_every_rank_the_whole_float32_masters(kind):
-    world_size = 3
-    results = launch(_masters, world_size, kind, show=None, timeout=120)
-    model, _ = _by_hand_models(kind)
-    assert list(results[0][0]) == [name for name, _ in model.named_parameters()]  # a tied weight once
-    for rank, (masters, mine, frozen) in enumerate(results):
-        for name, p in model.named_parameters():
-            master = masters[name]
-            assert master.shape == p.shape and torch.equal(master, results[0][0][name])  # whole, alike on all ranks
-            if name in mine:  # float32, and its slice r is rank r's shard
-                assert master.dtype == torch.float32
-                padded = nn.functional.pad(master.reshape(-1), (0, -master.numel() % world_size))
-                assert torch.equal(padded.chunk(world_size)[rank], mine[name])
-                assert not torch.equal(master, p.detach())  # trained, not the initial values
-            else:
-                assert torch.equal(master, frozen[name])  # frozen: as the model holds it (bfloat16 after compute_in)
-    assert (kind == "frozen") == bool(results[0][2])
+def test_gather_masters_gives_every_rank_the_whole_float32_masters():
+    world_size, kinds = 3, ("frozen", "tied")
+    both = launch(lambda rank, world_size: [_masters(rank, world_size, kind) for kind in kinds], world_size,
+                  show=None, timeout=120)  # one launch for both models
+    for k, kind in enumerate(kinds):
+        results = [r[k] for r in both]
+        model, _ = _by_hand_models(kind)
+        assert list(results[0][0]) == [name for name, _ in model.named_parameters()]  # a tied weight once
+        for rank, (masters, mine, frozen) in enumerate(results):
+            for name, p in model.named_parameters():
+                master = masters[name]
+                assert master.shape == p.shape and torch.equal(master, results[0][0][name])  # whole, alike on all ranks
+                if name in mine:  # float32, and its slice r is rank r's shard
+                    assert master.dtype == torch.float32
+                    padded = nn.functional.pad(master.reshape(-1), (0, -master.numel() % world_size))
+                    assert torch.equal(padded.chunk(world_size)[rank], mine[name])
+                    assert not torch.equal(master, p.detach())  # trained, not the initial values
+                else:
+                    assert torch.equal(master, frozen[name])  # frozen: as the model holds it (bfloat16 after compute_in)
+        assert (kind == "frozen") == bool(results[0][2])
 
 
 def _peak_of_a_gather(rank, world_size):
