@@ -1,6 +1,6 @@
 """Time every notebook under nbval, one at a time, and optionally the whole test suite.
 
-Targets for the course on a 2-core machine: each notebook <= 45 s alone, the suite <= 6 min.
+Targets for the course on a 2-core machine: each notebook <= 25 s alone (on a quiet machine), the suite <= 6 min.
 
     python benchmarks/notebook_times.py [--suite] [--only 01 02] [--skip-alone] [NOTEBOOK ...]
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK_LIMIT_S, SUITE_LIMIT_S = 45, 360
+NOTEBOOK_LIMIT_S, SUITE_LIMIT_S = 25, 360
 
 
 def run_pytest(args, env=None):
