@@ -14,7 +14,7 @@ it stages ``r`` and ``2p - 1 - r``.
 :func:`simulate` checks a table (each action once, F before B before W on a rank, no
 deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each) and returns
 each rank's timeline and its peak of activations held. :func:`run_schedule` runs the same table
-on real ranks (gloo ``isend``/``recv``). The notebook derives :func:`interleaved_1f1b` and
+on real ranks (gloo ``isend``/``irecv``). The notebook derives :func:`interleaved_1f1b` and
 :func:`zb_h1`; a test asserts that its cells and this file hold the same code.
 """
 
@@ -264,10 +264,13 @@ def _tag(op, mb, stage, n):
 def run_schedule(chunks, order, inputs, targets, layout="loop"):
     """Run this rank's ``order`` (``[(op, mb, chunk), ...]``) with its ``chunks`` (one Sequential
     per chunk); activations and input gradients go to the rank holding the next (previous) stage
-    by ``isend``, tagged so that none is taken for another. A B without W rows is the whole
-    backward. With them, B is ``autograd.grad`` with ``inputs=`` the input of every block of the
-    chunk (the stage's input is what the previous stage waits for) and W, later, each block's
-    weight gradient from the gradient at its output. Returns the log
+    by ``isend``, tagged so that none is taken for another. Every receive is posted (``irecv``)
+    before the first action, so a message that arrives early lands in its buffer and no rank
+    blocks on a receive it could have posted (torch's runtime posts them a few actions ahead);
+    the buffers are shaped as the inputs (every block keeps the width). A B without W rows is
+    the whole backward. With them, B is ``autograd.grad`` with ``inputs=`` the input of every
+    block of the chunk (the stage's input is what the previous stage waits for) and W, later,
+    each block's weight gradient from the gradient at its output. Returns the log
     ``[(op, mb, chunk, start, end), ...]``; the weight gradients end in ``.grad``."""
     rank, p = dist.get_rank(), dist.get_world_size()
     v, m = len(chunks), len(inputs)
@@ -283,17 +286,25 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
             tag = _tag(op, i, to_stage, n)
             sends.append(dist.isend(tensor.contiguous(), owner[to_stage], tag=tag))
 
-    def receive(op, i, stage, like):
+    posted = {}  # (op, mb, stage) -> (buffer, irecv), one per message from another rank
+    for op, i, c in order:
+        k = stage_of(rank, c, p, layout)
+        source = k - 1 if op == "F" else k + 1
+        if op != "W" and 0 <= source < n and owner[source] != rank:
+            buffer = torch.empty_like(inputs[i])
+            posted[(op, i, k)] = buffer, dist.irecv(buffer, owner[source], tag=_tag(op, i, k, n))
+
+    def receive(op, i, stage):
         if (op, i, stage) in local:
             return local.pop((op, i, stage))
-        buffer = torch.empty_like(like)
-        dist.recv(buffer, owner[stage - 1 if op == "F" else stage + 1], tag=_tag(op, i, stage, n))
+        buffer, work = posted.pop((op, i, stage))
+        work.wait()
         return buffer
 
     for op, i, c in order:
         k = stage_of(rank, c, p, layout)
         if op == "F":
-            x = inputs[i] if k == 0 else receive("F", i, k, inputs[i]).requires_grad_()
+            x = inputs[i] if k == 0 else receive("F", i, k).requires_grad_()
             start = time.perf_counter()
             outs = [x]  # the input of each block, then the chunk's output
             for block in chunks[c]:
@@ -306,7 +317,7 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
                 send(root.detach(), "F", i, k + 1)
         elif op == "B":
             outs, root = saved[(i, c)]
-            g = None if k == n - 1 else receive("B", i, k, root)
+            g = None if k == n - 1 else receive("B", i, k)
             start = time.perf_counter()
             if not split:
                 root.backward(g)
