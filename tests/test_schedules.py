@@ -46,6 +46,16 @@ def test_with_fewer_micro_batches_than_stages_the_tables_still_run(p, m):
     assert max(cs.simulate(cs.zb_h1(p, m), p, m, 1).peak) <= m
 
 
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 3), (3, 5), (4, 8), (5, 9), (6, 13), (4, 4), (4, 2)])
+def test_zb_h2_holds_2p_minus_1_and_with_m_at_least_2p_minus_1_no_rank_idles_inside_its_step(p, m):
+    h2, h1 = cs.simulate(cs.zb_h2(p, m), p, m, 1), cs.simulate(cs.zb_h1(p, m), p, m, 1)
+    assert h2.peak == [min(2 * p - 1, m)] * p
+    assert h2.bubble == pytest.approx(h1.bubble)  # the same stagger from rank 0 to rank p - 1
+    if m >= 2 * p - 1:
+        assert cs.rank_idle(h2.logs) == [0] * p
+        assert cs.rank_idle(h1.logs) == [p - 1 - r for r in range(p)]
+
+
 def test_memory_zb_h1_every_rank_p_1f1b_p_minus_r():
     assert cs.simulate(cs.zb_h1(4, 8), 4, 8, 1).peak == [4, 4, 4, 4]
     assert cs.simulate(cs.one_f_one_b_table(4, 8), 4, 8, 1).peak == [4, 3, 2, 1]

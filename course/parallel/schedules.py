@@ -112,6 +112,39 @@ def zb_h1(p, m):
     return from_orders(orders)
 
 
+def zb_h2(p, m):
+    """ZB-H2 (Qi et al. 2024): more forwards to warm up, up to 2p - 1 micro-batches held, and the
+    W's moved to where a rank would wait. Built greedily in unit time (F = B = W): a free rank
+    runs the B whose gradient has arrived, else a forward if it holds fewer than 2p - 1
+    micro-batches, else its oldest W. Each rank is then busy from its first action to its last."""
+    orders, end = [[] for _ in range(p)], {}  # end: (op, mb, rank) -> time it ended
+    forwards, backwards, held, pending = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(len(order) < 3 * m for order in orders):
+        for r in range(p):
+            if orders[r] and end[(orders[r][-1][0], orders[r][-1][1], r)] > t or len(orders[r]) == 3 * m:
+                continue  # busy, or done
+            i, f = backwards[r], forwards[r]
+            if i < f and (r == p - 1 or end.get(("B", i, r + 1), t + 1) <= t):
+                op, backwards[r] = ("B", i), i + 1
+                pending[r].append(i)
+            elif f < m and held[r] < 2 * p - 1 and (r == 0 or end.get(("F", f, r - 1), t + 1) <= t):
+                op, forwards[r], held[r] = ("F", f), f + 1, held[r] + 1
+            elif pending[r]:
+                op, held[r] = ("W", pending[r].pop(0)), held[r] - 1
+            else:
+                continue  # waits
+            orders[r].append((*op, 0))
+            end[(*op, r)] = t + 1
+        t += 1
+    return from_orders(orders)
+
+
+def rank_idle(logs):
+    """Per rank, the time it idles between its own first action and its own last one."""
+    return [log[-1][-1] - log[0][-2] - sum(a[-1] - a[-2] for a in log) for log in logs]
+
+
 SCHEDULES = {"gpipe": gpipe_table, "1f1b": one_f_one_b_table, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
 
 
