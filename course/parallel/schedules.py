@@ -299,12 +299,12 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
     per chunk); activations and input gradients go to the rank holding the next (previous) stage
     by ``isend``, tagged so that none is taken for another. Every receive is posted (``irecv``)
     before the first action, so a message that arrives early lands in its buffer and no rank
-    blocks on a receive it could have posted (torch's runtime posts them a few actions ahead);
-    the buffers are shaped as the inputs (every block keeps the width). A B without W rows is
-    the whole backward. With them, B is ``autograd.grad`` with ``inputs=`` the input of every
-    block of the chunk (the stage's input is what the previous stage waits for) and W, later,
-    each block's weight gradient from the gradient at its output. Returns the log
-    ``[(op, mb, chunk, start, end), ...]``; the weight gradients end in ``.grad``."""
+    blocks on a receive it could have posted (torch's runtime posts each one as early as its
+    sender's action allows); the buffers are shaped as the inputs (every block keeps the
+    width). A B without W rows is the whole backward. With them, B is ``autograd.grad`` with
+    ``inputs=`` the input of every block of the chunk (the stage's input is what the previous
+    stage waits for) and W, later, each block's weight gradient from the gradient at its output.
+    Returns the log ``[(op, mb, chunk, start, end), ...]``; weight gradients end in ``.grad``."""
     rank, p = dist.get_rank(), dist.get_world_size()
     v, m = len(chunks), len(inputs)
     n = p * v
