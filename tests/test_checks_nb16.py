@@ -3,10 +3,12 @@
 import random
 import types
 
+import nbformat
 import pytest
 
 from course.checks import nb16
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.notebooks import SOLUTIONS
 from course.parallel import schedules
 
 # course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
@@ -197,3 +199,16 @@ def test_success_messages_fit_in_100_columns():
     for check, answer in [(nb16.interleaved, _interleaved()), (nb16.zero_bubble, _zb())]:
         feedback = check(answer)
         assert feedback.status == "correct" and max(map(len, repr(feedback).splitlines())) <= 100, feedback
+
+
+def test_exercise_1_asks_for_the_warm_up_and_shows_it_only_after_the_check():
+    """The text before Exercise 1 states the rules and asks for a prediction; the warm-up count
+    appears first in the cell after the check (and in hint())."""
+    cells = nbformat.read(SOLUTIONS / "16_pipeline_schedules.ipynb", as_version=4).cells
+    check = next(i for i, c in enumerate(cells) if c.source.strip() == "check.interleaved(interleaved_1f1b)")
+    before = "\n".join(c.source for c in cells[:check] if c.cell_type == "markdown")
+    assert "**Predict**" in before and "forwards before its first backward" in before
+    for formula in ("2(p-1-r)", "2(p - 1 - r)", "(v-1)\\cdot", "(v - 1) * (round size)"):
+        assert formula not in before, formula
+    assert "2 * (P - 1 - r)" in cells[check + 2].source
+    assert "2 * (p - 1 - r)" in str(nb16.interleaved.hint())

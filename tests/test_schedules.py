@@ -4,9 +4,11 @@ shows the package's generators."""
 
 import inspect
 import types
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
@@ -42,6 +44,16 @@ def test_with_fewer_micro_batches_than_stages_the_tables_still_run(p, m):
     for v in (1, 2):
         assert cs.simulate(cs.interleaved_1f1b(p, m, v), p, m, v).peak[0] <= m * v
     assert max(cs.simulate(cs.zb_h1(p, m), p, m, 1).peak) <= m
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 3), (3, 5), (4, 8), (5, 9), (6, 13), (4, 4), (4, 2)])
+def test_zb_h2_holds_2p_minus_1_and_with_m_at_least_2p_minus_1_no_rank_idles_inside_its_step(p, m):
+    h2, h1 = cs.simulate(cs.zb_h2(p, m), p, m, 1), cs.simulate(cs.zb_h1(p, m), p, m, 1)
+    assert h2.peak == [min(2 * p - 1, m)] * p
+    assert h2.bubble == pytest.approx(h1.bubble)  # the same stagger from rank 0 to rank p - 1
+    if m >= 2 * p - 1:
+        assert cs.rank_idle(h2.logs) == [0] * p
+        assert cs.rank_idle(h1.logs) == [p - 1 - r for r in range(p)]
 
 
 def test_memory_zb_h1_every_rank_p_1f1b_p_minus_r():
@@ -117,11 +129,36 @@ WIDTH, DEPTH, ROWS = 16, 12, 24
 
 
 def _run(rank, p, table, v, m, layout):
+    """One rank's step; also records, in order, each irecv posted and each chunk's forward, and
+    refuses a blocking recv."""
     stages = split(make_model(WIDTH, DEPTH), p * v)
     chunks = [stages[cs.stage_of(rank, c, p, layout)] for c in range(v)]
     x, y = make_batch(ROWS, WIDTH)
-    log = cs.run_schedule(chunks, cs.orders_of(table, p)[rank], list(x.chunk(m)), list(y.chunk(m)), layout)
-    return [a[:3] for a in log], [q.grad for c in chunks for q in c.parameters()]
+    events, irecv = [], dist.irecv
+    for block in (block for chunk in chunks for block in chunk):
+        block.register_forward_pre_hook(lambda *_: events.append("compute"))
+
+    def recording_irecv(*args, **kwargs):
+        events.append("irecv")
+        return irecv(*args, **kwargs)
+
+    def blocking_recv(*args, **kwargs):
+        raise AssertionError("run_schedule blocked in recv")
+
+    with mock.patch.object(dist, "irecv", recording_irecv), mock.patch.object(dist, "recv", blocking_recv):
+        log = cs.run_schedule(chunks, cs.orders_of(table, p)[rank], list(x.chunk(m)), list(y.chunk(m)), layout)
+    return [a[:3] for a in log], [q.grad for c in chunks for q in c.parameters()], events
+
+
+def _messages_to(rank, table, p, v, layout):
+    """How many messages ``rank`` receives in a step: each F or B whose input comes from another rank."""
+    owner = {cs.stage_of(r, c, p, layout): r for r in range(p) for c in range(v)}
+    count = 0
+    for row in table:
+        k = cs.stage_of(row.rank, row.chunk, p, layout)
+        source = k - 1 if row.op == "F" else k + 1
+        count += row.rank == rank and row.op != "W" and source in owner and owner[source] != rank
+    return count
 
 
 @pytest.mark.parametrize(
@@ -144,8 +181,11 @@ def test_run_schedule_gives_one_process_gradients(name, p, m, v, layout):
     x, y = make_batch(ROWS, WIDTH)
     nn.functional.mse_loss(model(x), y).backward()
     stages = split(model, p * v)
-    for r, (order, grads) in enumerate(results):
+    for r, (order, grads, events) in enumerate(results):
         assert order == cs.orders_of(table, p)[r]
+        # every receive posted (irecv) before the rank's first computation, none blocking
+        assert events[:events.index("compute")] == ["irecv"] * events.count("irecv")
+        assert events.count("irecv") == _messages_to(r, table, p, v, layout) > 0
         expected = [q.grad for c in range(v) for q in stages[cs.stage_of(r, c, p, layout)].parameters()]
         assert len(grads) == len(expected)
         assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(grads, expected))

@@ -14,7 +14,7 @@ it stages ``r`` and ``2p - 1 - r``.
 :func:`simulate` checks a table (each action once, F before B before W on a rank, no
 deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each) and returns
 each rank's timeline and its peak of activations held. :func:`run_schedule` runs the same table
-on real ranks (gloo ``isend``/``recv``). The notebook derives :func:`interleaved_1f1b` and
+on real ranks (gloo ``isend``/``irecv``). The notebook derives :func:`interleaved_1f1b` and
 :func:`zb_h1`; a test asserts that its cells and this file hold the same code.
 """
 
@@ -110,6 +110,39 @@ def zb_h1(p, m):
                 w += 1
         orders.append(order + [("W", i, 0) for i in range(w, m)])
     return from_orders(orders)
+
+
+def zb_h2(p, m):
+    """ZB-H2 (Qi et al. 2024): more forwards to warm up, up to 2p - 1 micro-batches held, and the
+    W's moved to where a rank would wait. Built greedily in unit time (F = B = W): a free rank
+    runs the B whose gradient has arrived, else a forward if it holds fewer than 2p - 1
+    micro-batches, else its oldest W. Each rank is then busy from its first action to its last."""
+    orders, end = [[] for _ in range(p)], {}  # end: (op, mb, rank) -> time it ended
+    forwards, backwards, held, pending = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(len(order) < 3 * m for order in orders):
+        for r in range(p):
+            if orders[r] and end[(orders[r][-1][0], orders[r][-1][1], r)] > t or len(orders[r]) == 3 * m:
+                continue  # busy, or done
+            i, f = backwards[r], forwards[r]
+            if i < f and (r == p - 1 or end.get(("B", i, r + 1), t + 1) <= t):
+                op, backwards[r] = ("B", i), i + 1
+                pending[r].append(i)
+            elif f < m and held[r] < 2 * p - 1 and (r == 0 or end.get(("F", f, r - 1), t + 1) <= t):
+                op, forwards[r], held[r] = ("F", f), f + 1, held[r] + 1
+            elif pending[r]:
+                op, held[r] = ("W", pending[r].pop(0)), held[r] - 1
+            else:
+                continue  # waits
+            orders[r].append((*op, 0))
+            end[(*op, r)] = t + 1
+        t += 1
+    return from_orders(orders)
+
+
+def rank_idle(logs):
+    """Per rank, the time it idles between its own first action and its own last one."""
+    return [log[-1][-1] - log[0][-2] - sum(a[-1] - a[-2] for a in log) for log in logs]
 
 
 SCHEDULES = {"gpipe": gpipe_table, "1f1b": one_f_one_b_table, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}
@@ -264,11 +297,14 @@ def _tag(op, mb, stage, n):
 def run_schedule(chunks, order, inputs, targets, layout="loop"):
     """Run this rank's ``order`` (``[(op, mb, chunk), ...]``) with its ``chunks`` (one Sequential
     per chunk); activations and input gradients go to the rank holding the next (previous) stage
-    by ``isend``, tagged so that none is taken for another. A B without W rows is the whole
-    backward. With them, B is ``autograd.grad`` with ``inputs=`` the input of every block of the
-    chunk (the stage's input is what the previous stage waits for) and W, later, each block's
-    weight gradient from the gradient at its output. Returns the log
-    ``[(op, mb, chunk, start, end), ...]``; the weight gradients end in ``.grad``."""
+    by ``isend``, tagged so that none is taken for another. Every receive is posted (``irecv``)
+    before the first action, so a message that arrives early lands in its buffer and no rank
+    blocks on a receive it could have posted (torch's runtime posts each one as early as its
+    sender's action allows); the buffers are shaped as the inputs (every block keeps the
+    width). A B without W rows is the whole backward. With them, B is ``autograd.grad`` with
+    ``inputs=`` the input of every block of the chunk (the stage's input is what the previous
+    stage waits for) and W, later, each block's weight gradient from the gradient at its output.
+    Returns the log ``[(op, mb, chunk, start, end), ...]``; weight gradients end in ``.grad``."""
     rank, p = dist.get_rank(), dist.get_world_size()
     v, m = len(chunks), len(inputs)
     n = p * v
@@ -283,17 +319,25 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
             tag = _tag(op, i, to_stage, n)
             sends.append(dist.isend(tensor.contiguous(), owner[to_stage], tag=tag))
 
-    def receive(op, i, stage, like):
+    posted = {}  # (op, mb, stage) -> (buffer, irecv), one per message from another rank
+    for op, i, c in order:
+        k = stage_of(rank, c, p, layout)
+        source = k - 1 if op == "F" else k + 1
+        if op != "W" and 0 <= source < n and owner[source] != rank:
+            buffer = torch.empty_like(inputs[i])
+            posted[(op, i, k)] = buffer, dist.irecv(buffer, owner[source], tag=_tag(op, i, k, n))
+
+    def receive(op, i, stage):
         if (op, i, stage) in local:
             return local.pop((op, i, stage))
-        buffer = torch.empty_like(like)
-        dist.recv(buffer, owner[stage - 1 if op == "F" else stage + 1], tag=_tag(op, i, stage, n))
+        buffer, work = posted.pop((op, i, stage))
+        work.wait()
         return buffer
 
     for op, i, c in order:
         k = stage_of(rank, c, p, layout)
         if op == "F":
-            x = inputs[i] if k == 0 else receive("F", i, k, inputs[i]).requires_grad_()
+            x = inputs[i] if k == 0 else receive("F", i, k).requires_grad_()
             start = time.perf_counter()
             outs = [x]  # the input of each block, then the chunk's output
             for block in chunks[c]:
@@ -306,7 +350,7 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
                 send(root.detach(), "F", i, k + 1)
         elif op == "B":
             outs, root = saved[(i, c)]
-            g = None if k == n - 1 else receive("B", i, k, root)
+            g = None if k == n - 1 else receive("B", i, k)
             start = time.perf_counter()
             if not split:
                 root.backward(g)
