@@ -4,6 +4,7 @@ import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course.parallel import tensor_parallel as tp
@@ -222,6 +223,10 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
     for name in PROJECTIONS:
         w = getattr(getattr(block, name, None), "weight", None)
         placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
+    decided = [_placements_feedback(placements) is not None]  # rank 0's placements are the ones judged
+    dist.broadcast_object_list(decided, src=0)
+    if decided[0]:  # the verdict is the plan's: no forward and backward needed (every rank stops)
+        return {"placements": placements, "n_heads": getattr(block, "n_heads", None)}
     x = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     upstream = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -250,13 +255,8 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
     }
 
 
-def _judge_attention(results, world_size, heads):
-    """The feedback for one (ranks, features, heads) case, or None if every rank got it right."""
-    r = results[0]
-    case = f"{heads} heads on {world_size} ranks"
-    if "not_module" in r:
-        return wrong(f"return the block (parallelize_module returns it); got {r['not_module']}.")
-    p = r["placements"]
+def _placements_feedback(p):
+    """The feedback on where the plan put the weights (rank 0's), or None if every projection is split right."""
     if any(p[name] == "plain" for name in p):
         plain = [name for name in p if p[name] == "plain"]
         return wrong(f"{', '.join(plain)} still hold whole weights: every projection needs a style in the plan.")
@@ -264,6 +264,18 @@ def _judge_attention(results, world_size, heads):
         return wrong("q, k and v must split their *output* features (whole heads per rank): ColwiseParallel.")
     if p["out"] != "Shard(dim=1)":
         return wrong("out must combine the heads, which are split across ranks along its *input* features: RowwiseParallel.")
+    return None
+
+
+def _judge_attention(results, world_size, heads):
+    """The feedback for one (ranks, features, heads) case, or None if every rank got it right."""
+    r = results[0]
+    case = f"{heads} heads on {world_size} ranks"
+    if "not_module" in r:
+        return wrong(f"return the block (parallelize_module returns it); got {r['not_module']}.")
+    feedback = _placements_feedback(r["placements"])
+    if feedback is not None:
+        return feedback
     failed = "error" in r or not all(q["ok_output"] for q in results)
     per_rank = heads // world_size
     if failed and r["n_heads"] == heads:
