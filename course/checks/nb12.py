@@ -236,8 +236,20 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
         y = block(x_part)
         if isinstance(y, DTensor):
             y = y.full_tensor()
-        (y * upstream).sum().backward()
     except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
+        return {**result, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    ok_output = isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9)
+    # A wrong output with a head count other than heads / N is judged by the count alone: skip the backward
+    # (decided alike on every rank: an output wrong on any rank, rank 0's count).
+    every_output_ok = torch.tensor([float(ok_output)])
+    dist.all_reduce(every_output_ok, op=dist.ReduceOp.MIN)
+    rank0_heads = [result["n_heads"]]
+    dist.broadcast_object_list(rank0_heads, src=0)
+    if not every_output_ok.item() and rank0_heads[0] != heads // world_size:
+        return {**result, "ok_output": ok_output}
+    try:
+        (y * upstream).sum().backward()
+    except Exception as e:  # report it as a hint, as above
         return {**result, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     bad_weight_grads = []
     for name in PROJECTIONS:  # column-parallel q, k, v and row-parallel out: compare the whole gradient
@@ -249,7 +261,7 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
             bad_weight_grads.append(f"{name}.weight")
     return {
         **result,
-        "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
+        "ok_output": ok_output,
         "ok_grad": x_part.grad is not None and torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
         "bad_weight_grads": bad_weight_grads,
     }
