@@ -5,6 +5,9 @@ import torch
 import torch.distributed as dist
 
 from course.checks import nb12
+from course.classroom.notebooks import solution_paths
+
+SOLUTION, = solution_paths(["12_tensor_parallel"])
 
 # ------------------------------------------------------------------ Exercise 1: row-parallel Function
 
@@ -218,10 +221,15 @@ def test_tensor_parallel_attention_rejects_wrong_answers():
         assert feedback.status == "wrong" and hint in feedback.message, (hint, feedback)
 
 
-def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_3_and_4_ranks():
-    col, row = _styles()
+def test_tensor_parallel_attention_tries_2_3_and_4_ranks():
     # two head counts on 2 ranks (no count per world size passes), 3 heads per rank on 4 ranks (!= ranks, != 4 // 2)
     assert nb12.ATTENTION_CASES == [(2, 8, 4), (2, 12, 6), (3, 12, 6), (4, 24, 12)]
+
+
+@pytest.mark.repeats_solution_notebook  # the notebook's Exercise 3 answer is this very plan
+@pytest.mark.parametrize("path", [SOLUTION], ids=lambda p: p.stem)
+def test_tensor_parallel_attention_accepts_a_correct_plan_on_2_3_and_4_ranks(path):
+    col, row = _styles()
     feedback = nb12.tensor_parallel_attention(_plan(col, col, col, row))
     assert feedback.status == "correct", feedback
 

@@ -5,6 +5,7 @@ with unused parameters handled (find_unused_parameters=True) or rejected with a 
 drop-ins for DDP (frozen parameters, tied weights, buffers, ranks initialised differently);
 and notebook 10 shows the same code as the package."""
 
+import functools
 import inspect
 
 import nbformat
@@ -137,6 +138,12 @@ def _train(rank, world_size, kind, steps=4, unused=None, options=None):
 BUCKETED = {"bucket_cap_mb": 0.02}
 
 
+@functools.cache
+def _ddp_trained():
+    """DDP's weights after _train: the reference of every kind (launched once per session)."""
+    return launch(_train, 2, "ddp", backend="traced", show=None, timeout=120)[0][0]
+
+
 @pytest.mark.parametrize(
     "kind, options, all_reduces_per_step",
     [
@@ -146,7 +153,7 @@ BUCKETED = {"bucket_cap_mb": 0.02}
     ],
 )
 def test_each_from_scratch_dp_gives_ddps_weights(kind, options, all_reduces_per_step):
-    reference, _ = launch(_train, 2, "ddp", backend="traced", show=None, timeout=120)[0]
+    reference = _ddp_trained()
     ranks = launch(_train, 2, kind, 4, None, options, backend="traced", show=None, timeout=120)
     weights, counts = ranks[0]
     assert counts == [all_reduces_per_step] * 4
@@ -239,10 +246,16 @@ def _drop_in(rank, world_size, kind, feature):
     return states
 
 
+@functools.cache
+def _ddp_drop_in(feature):
+    """What DDP's ranks hold after each step of _drop_in: the reference of every kind (launched once per feature)."""
+    return launch(_drop_in, 2, "ddp", feature, show=None, timeout=120)
+
+
 @pytest.mark.parametrize("feature", ["frozen", "tied", "buffers"])
 @pytest.mark.parametrize("kind", ["AllReduceAfterBackward", "OverlapPerParameter", "BucketedDataParallel"])
 def test_each_from_scratch_dp_is_a_drop_in_for_ddp_on_ranks_initialised_differently(kind, feature):
-    reference = launch(_drop_in, 2, "ddp", feature, show=None, timeout=120)
+    reference = _ddp_drop_in(feature)
     ours = launch(_drop_in, 2, kind, feature, show=None, timeout=120)
     for rank in range(2):  # every parameter and buffer of every rank after every step, bit for bit (2 ranks: see above)
         for step in range(3):

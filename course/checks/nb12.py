@@ -4,6 +4,7 @@ import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course.parallel import tensor_parallel as tp
@@ -222,6 +223,10 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
     for name in PROJECTIONS:
         w = getattr(getattr(block, name, None), "weight", None)
         placements[name] = repr(w.placements[0]) if isinstance(w, DTensor) else "plain"
+    decided = [_placements_feedback(placements) is not None]  # rank 0's placements are the ones judged
+    dist.broadcast_object_list(decided, src=0)
+    if decided[0]:  # the verdict is the plan's: no forward and backward needed (every rank stops)
+        return {"placements": placements, "n_heads": getattr(block, "n_heads", None)}
     x = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     upstream = torch.randn(2, SEQ, dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -231,8 +236,20 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
         y = block(x_part)
         if isinstance(y, DTensor):
             y = y.full_tensor()
-        (y * upstream).sum().backward()
     except Exception as e:  # a wrong plan often fails inside the block: report it as a hint
+        return {**result, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    ok_output = isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9)
+    # A wrong output with a head count other than heads / N is judged by the count alone: skip the backward
+    # (decided alike on every rank: an output wrong on any rank, rank 0's count).
+    every_output_ok = torch.tensor([float(ok_output)])
+    dist.all_reduce(every_output_ok, op=dist.ReduceOp.MIN)
+    rank0_heads = [result["n_heads"]]
+    dist.broadcast_object_list(rank0_heads, src=0)
+    if not every_output_ok.item() and rank0_heads[0] != heads // world_size:
+        return {**result, "ok_output": ok_output}
+    try:
+        (y * upstream).sum().backward()
+    except Exception as e:  # report it as a hint, as above
         return {**result, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     bad_weight_grads = []
     for name in PROJECTIONS:  # column-parallel q, k, v and row-parallel out: compare the whole gradient
@@ -244,10 +261,22 @@ def _attention_run(rank, world_size, parallelize, dim, heads):
             bad_weight_grads.append(f"{name}.weight")
     return {
         **result,
-        "ok_output": y.shape == x.shape and torch.allclose(y, full(x), rtol=1e-9, atol=1e-9),
+        "ok_output": ok_output,
         "ok_grad": x_part.grad is not None and torch.allclose(x_part.grad, x_full.grad, rtol=1e-9, atol=1e-9),
         "bad_weight_grads": bad_weight_grads,
     }
+
+
+def _placements_feedback(p):
+    """The feedback on where the plan put the weights (rank 0's), or None if every projection is split right."""
+    if any(p[name] == "plain" for name in p):
+        plain = [name for name in p if p[name] == "plain"]
+        return wrong(f"{', '.join(plain)} still hold whole weights: every projection needs a style in the plan.")
+    if any(p[name] != "Shard(dim=0)" for name in ("q", "k", "v")):
+        return wrong("q, k and v must split their *output* features (whole heads per rank): ColwiseParallel.")
+    if p["out"] != "Shard(dim=1)":
+        return wrong("out must combine the heads, which are split across ranks along its *input* features: RowwiseParallel.")
+    return None
 
 
 def _judge_attention(results, world_size, heads):
@@ -256,14 +285,9 @@ def _judge_attention(results, world_size, heads):
     case = f"{heads} heads on {world_size} ranks"
     if "not_module" in r:
         return wrong(f"return the block (parallelize_module returns it); got {r['not_module']}.")
-    p = r["placements"]
-    if any(p[name] == "plain" for name in p):
-        plain = [name for name in p if p[name] == "plain"]
-        return wrong(f"{', '.join(plain)} still hold whole weights: every projection needs a style in the plan.")
-    if any(p[name] != "Shard(dim=0)" for name in ("q", "k", "v")):
-        return wrong("q, k and v must split their *output* features (whole heads per rank): ColwiseParallel.")
-    if p["out"] != "Shard(dim=1)":
-        return wrong("out must combine the heads, which are split across ranks along its *input* features: RowwiseParallel.")
+    feedback = _placements_feedback(r["placements"])
+    if feedback is not None:
+        return feedback
     failed = "error" in r or not all(q["ok_output"] for q in results)
     per_rank = heads // world_size
     if failed and r["n_heads"] == heads:

@@ -403,16 +403,50 @@ UNEVEN_CASES = [(2, 13), (3, 26)]  # lengths that 2N does not divide: slices dif
 UNEVEN_TOLERANCE = 1.25  # the course's layout: slowest / fastest rank 1.12 (13 on 2) and 1.10 (26 on 3)
 
 
-def _flops(rank, world_size, layout):
-    q, k, v = (torch.randn(1, len(layout[rank]), DIM) for _ in range(3))
-    with FlopCounterMode(display=False) as counter:
-        cp.ring_attention(q, k, v, layout, True)
-    return counter.get_total_flops()
+def _flops(rank, world_size, layouts):
+    """This rank's flops in ring attention over each of the layouts (one launch per world size)."""
+    flops = []
+    for layout in layouts:
+        q, k, v = (torch.randn(1, len(layout[rank]), DIM) for _ in range(3))
+        with FlopCounterMode(display=False) as counter:
+            cp.ring_attention(q, k, v, layout, True)
+        flops.append(counter.get_total_flops())
+    return flops
 
 
 def _runs(positions):
     """How many runs of consecutive positions."""
     return 1 + sum(1 for a, b in zip(positions, positions[1:]) if b != a + 1)
+
+
+def _zigzag_layout_of(fn, world_size, seq_len):
+    """(fn's layout as tensors, None), or (None, the feedback) where it is wrong without measuring."""
+    even = seq_len % (2 * world_size) == 0
+    case = f"{seq_len} tokens on {world_size} ranks"
+    try:
+        layout = fn(seq_len, world_size)
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        advice = "" if even else " (2N does not divide the length: slices then differ by one token)"
+        return None, wrong(f"with {case} your function raised {type(e).__name__}: {e}{advice}")
+    try:
+        layout = [torch.as_tensor(p, dtype=torch.long).flatten() for p in layout]
+    except (TypeError, ValueError):
+        return None, wrong("return a list with one 1-D tensor of token positions per rank.")
+    if len(layout) != world_size:
+        return None, wrong(f"with {case} the layout has {len(layout)} entries: one per rank (the check also runs "
+                           "3 and 4 ranks).")
+    if sorted(torch.cat(layout).tolist()) != list(range(seq_len)):
+        return None, wrong(f"with {case} the ranks do not hold every token exactly once"
+                           + ("." if even else ": when 2N does not divide the length, cut with torch.tensor_split, "
+                              "whose slices differ by one token, so that none is dropped."))
+    if any(_runs(p.tolist()) > 2 for p in layout):
+        return None, wrong(f"with {case} a rank holds more than two slices of consecutive tokens: the zig-zag layout "
+                           "gives each rank two slices (two runs of neighbouring tokens).")
+    low, high = 2 * (seq_len // (2 * world_size)), 2 * -(-seq_len // (2 * world_size))
+    if any(not low <= len(p) <= high for p in layout):
+        return None, wrong(f"with {case} the ranks hold {[len(p) for p in layout]} tokens: each should hold two of "
+                           f"2N slices that differ by at most one token, {low} to {high} tokens.")
+    return layout, None
 
 
 @exercise(
@@ -426,34 +460,23 @@ def zigzag_layout(fn):
     """Exercise 3: a layout (two slices per rank) that balances causal attention's work."""
     size = random.randint(2, 5)  # tokens per slice, fresh each time: no layout can be hard-coded
     cases = [(n, 2 * n * size) for n in (2, 3, 4)] + UNEVEN_CASES
+    layouts, feedback = [], None  # the layouts, in order, up to the first that is wrong by itself
     for world_size, seq_len in cases:
-        even = seq_len % (2 * world_size) == 0
-        case = f"{seq_len} tokens on {world_size} ranks"
-        try:
-            layout = fn(seq_len, world_size)
-        except Exception as e:  # noqa: BLE001 - reported as the feedback
-            advice = "" if even else " (2N does not divide the length: slices then differ by one token)"
-            return wrong(f"with {case} your function raised {type(e).__name__}: {e}{advice}")
-        try:
-            layout = [torch.as_tensor(p, dtype=torch.long).flatten() for p in layout]
-        except (TypeError, ValueError):
-            return wrong("return a list with one 1-D tensor of token positions per rank.")
-        if len(layout) != world_size:
-            return wrong(f"with {case} the layout has {len(layout)} entries: one per rank (the check also runs "
-                         "3 and 4 ranks).")
-        if sorted(torch.cat(layout).tolist()) != list(range(seq_len)):
-            return wrong(f"with {case} the ranks do not hold every token exactly once"
-                         + ("." if even else ": when 2N does not divide the length, cut with torch.tensor_split, "
-                            "whose slices differ by one token, so that none is dropped."))
-        if any(_runs(p.tolist()) > 2 for p in layout):
-            return wrong(f"with {case} a rank holds more than two slices of consecutive tokens: the zig-zag layout "
-                         "gives each rank two slices (two runs of neighbouring tokens).")
-        low, high = 2 * (seq_len // (2 * world_size)), 2 * -(-seq_len // (2 * world_size))
-        if any(not low <= len(p) <= high for p in layout):
-            return wrong(f"with {case} the ranks hold {[len(p) for p in layout]} tokens: each should hold two of "
-                         f"2N slices that differ by at most one token, {low} to {high} tokens.")
-        flops = launch(_flops, world_size, layout, show=None, timeout=60)
-        if (len(set(flops)) > 1) if even else max(flops) > UNEVEN_TOLERANCE * min(flops):
-            return wrong(f"with {case} the ranks' work is not balanced: measured flops per rank {flops}. "
-                         "Pair the slices so that each rank's two costs add up to the same total.")
+        layout, feedback = _zigzag_layout_of(fn, world_size, seq_len)
+        if feedback is not None:
+            break
+        layouts.append((world_size, seq_len, layout))
+    flops = {}  # (ranks, tokens) -> flops per rank: one launch per world size, for all its layouts at once
+    for world_size, seq_len, _ in layouts:  # in the order of the cases, as if each had been measured in turn
+        if (world_size, seq_len) not in flops:
+            mine = [(tokens, layout) for n, tokens, layout in layouts if n == world_size]
+            per_rank = launch(_flops, world_size, [layout for _, layout in mine], show=None, timeout=60)
+            flops.update({(world_size, tokens): [f[i] for f in per_rank] for i, (tokens, _) in enumerate(mine)})
+        even, measured = seq_len % (2 * world_size) == 0, flops[world_size, seq_len]
+        if (len(set(measured)) > 1) if even else max(measured) > UNEVEN_TOLERANCE * min(measured):
+            return wrong(f"with {seq_len} tokens on {world_size} ranks the ranks' work is not balanced: measured "
+                         f"flops per rank {measured}. Pair the slices so that each rank's two costs add up to the "
+                         "same total.")
+    if feedback is not None:
+        return feedback
     return correct("every token once, two slices per rank, equal flops on 2-4 ranks.")
