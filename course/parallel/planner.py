@@ -32,7 +32,8 @@ Assumptions (change them by changing the arguments):
   reduced in fp32 as torchtitan does) holds, beside the activations, whole layers' worth of bf16
   weights in its backward: the layer computing, the next one's prefetched all-gather, the layer's
   own gradients (3), and, from the second layer of backward on, the previous layer's fp32
-  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more), while one
+  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more: by default
+  one buffer in flight, ``set_reduce_scatter_max_input_buffers`` in torch 2.15), while one
   layer's activations are gone: so ``max(3, 5 - a)`` layers, ``a`` one layer's activations of
   one micro-batch in those units (:func:`fsdp_peak_buffers` measures them with torch's
   ``FSDPMemTracker``). The embedding and output layer stay whole (FSDP2's root module is not
@@ -50,7 +51,9 @@ Assumptions (change them by changing the arguments):
   (its ``1/cp`` of the tokens, its ``1/tp`` of the K/V heads): ``cp - 1`` in forward, ``cp - 1`` and
   ``cp`` dK/dV accumulators in backward (``cp - 1`` more with full recomputation). torch 2.15's
   ``context_parallel`` sends the accumulators in fp32 (``convert_to_f32``, read in its source, not
-  run): twice these bytes for that part;
+  run): twice these bytes for that part. torch 2.15's ``context_parallel`` also does not use a
+  ring by default: it all-gathers K/V (``rotate_method = _RotateMethod.ALL_GATHER``) and moves
+  dK/dV by all-to-all; the ring is the model's, not torch's default;
   DP (over ``dp × cp`` ranks, the ranks that hold the same weights), with ``m`` micro-batches
   per step: ZeRO-0/1 all-reduce the accumulated gradients once, ``2(n-1)/n`` × their size;
   ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters every micro-batch's
