@@ -699,9 +699,10 @@ def validation(seq: int = 8192) -> list:
 LLAMA3_405B_RUN = (LLAMA3_405B, Cluster(16384), 2048, 8192,
                    Config(dp=128, tp=8, pp=16, zero=2, micro_batch=1, recompute="selective", schedule="interleaved", v=4))
 
-# Its long-context stage (Table 4's third row as quoted from Meta's SC'24 slide; the paper itself not read here):
-# the same 16,384 GPUs, TP 8 x CP 16 x PP 16 (so DP 8), sequences of 131,072 tokens, 16M tokens (128 sequences)
-# per step; v, recomputation and ZeRO-2 assumed as above.
+# Its long-context stage, second-hand: P. Balaji's SC'24 slide (Herding Llamas), as glennklockwood.com/garden/
+# llama-3.1 quotes it (the paper's own table not read here): 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens (128
+# sequences of 131,072) per step. The slide has no DP column; DP 8 is what makes 8 x 16 x 16 x DP = 16,384.
+# v, recomputation and ZeRO-2 assumed as above.
 LLAMA3_405B_LONG_RUN = (LLAMA3_405B, Cluster(16384), 128, 131072,
                         Config(dp=8, tp=8, pp=16, cp=16, zero=2, micro_batch=1, recompute="selective",
                                schedule="interleaved", v=4))
