@@ -156,6 +156,8 @@ def _memory_less_logits(model, config, seq, batch, stage, c):  # the planner's o
         (_tweak(held=lambda p, s, m: p - s), "more micro-batches than the step has"),  # forgets that the step may have fewer micro-batches
         (_tweak(held=lambda p, s, m: min(p, m)), "the later stages"),
         (_tweak(layers=lambda mo, p, s: mo.layers // p), "stage_layers"),
+        (lambda model, config, seq, batch, stage, c: _activations(model, config, seq, batch, stage, c)
+         / config.micro_batch, "config.micro_batch sequences"),  # forgets the micro-batch's size
         (lambda *args: 0.0, "See the hint"),
         (lambda *args: "1e9", "return a number"),
         (lambda model, config, *args: 1 / 0, "ZeroDivisionError"),

@@ -162,6 +162,8 @@ def _mistakes(model, config, seq, global_batch, stage, c):
          "micro-batches."),
         (right / layers * (model.layers // config.pp), "with uneven stages (layers % pp != 0) use "
          "stage_layers(model, pp, stage)."),
+        (right / config.micro_batch, "a micro-batch is config.micro_batch sequences: one layer holds "
+         "c x seq x micro_batch x hidden bytes of each."),
     ]
 
 

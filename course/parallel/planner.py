@@ -32,7 +32,8 @@ Assumptions (change them by changing the arguments):
   reduced in fp32 as torchtitan does) holds, beside the activations, whole layers' worth of bf16
   weights in its backward: the layer computing, the next one's prefetched all-gather, the layer's
   own gradients (3), and, from the second layer of backward on, the previous layer's fp32
-  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more), while one
+  reduce-scatter input, which FSDP2 keeps until the next reduce-scatter (2 more: by default
+  one buffer in flight, ``set_reduce_scatter_max_input_buffers`` in torch 2.15), while one
   layer's activations are gone: so ``max(3, 5 - a)`` layers, ``a`` one layer's activations of
   one micro-batch in those units (:func:`fsdp_peak_buffers` measures them with torch's
   ``FSDPMemTracker``). The embedding and output layer stay whole (FSDP2's root module is not
@@ -50,7 +51,9 @@ Assumptions (change them by changing the arguments):
   (its ``1/cp`` of the tokens, its ``1/tp`` of the K/V heads): ``cp - 1`` in forward, ``cp - 1`` and
   ``cp`` dK/dV accumulators in backward (``cp - 1`` more with full recomputation). torch 2.15's
   ``context_parallel`` sends the accumulators in fp32 (``convert_to_f32``, read in its source, not
-  run): twice these bytes for that part;
+  run): twice these bytes for that part. torch 2.15's ``context_parallel`` also does not use a
+  ring by default: it all-gathers K/V (``rotate_method = _RotateMethod.ALL_GATHER``) and moves
+  dK/dV by all-to-all; the ring is the model's, not torch's default;
   DP (over ``dp × cp`` ranks, the ranks that hold the same weights), with ``m`` micro-batches
   per step: ZeRO-0/1 all-reduce the accumulated gradients once, ``2(n-1)/n`` × their size;
   ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters every micro-batch's
@@ -696,9 +699,10 @@ def validation(seq: int = 8192) -> list:
 LLAMA3_405B_RUN = (LLAMA3_405B, Cluster(16384), 2048, 8192,
                    Config(dp=128, tp=8, pp=16, zero=2, micro_batch=1, recompute="selective", schedule="interleaved", v=4))
 
-# Its long-context stage (Table 4's third row as quoted from Meta's SC'24 slide; the paper itself not read here):
-# the same 16,384 GPUs, TP 8 x CP 16 x PP 16 (so DP 8), sequences of 131,072 tokens, 16M tokens (128 sequences)
-# per step; v, recomputation and ZeRO-2 assumed as above.
+# Its long-context stage, second-hand: P. Balaji's SC'24 slide (Herding Llamas), as glennklockwood.com/garden/
+# llama-3.1 quotes it (the paper's own table not read here): 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens (128
+# sequences of 131,072) per step. The slide has no DP column; DP 8 is what makes 8 x 16 x 16 x DP = 16,384.
+# v, recomputation and ZeRO-2 assumed as above.
 LLAMA3_405B_LONG_RUN = (LLAMA3_405B, Cluster(16384), 128, 131072,
                         Config(dp=8, tp=8, pp=16, cp=16, zero=2, micro_batch=1, recompute="selective",
                                schedule="interleaved", v=4))
