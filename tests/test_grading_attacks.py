@@ -1,8 +1,10 @@
-"""A class that fights back (issue 38): one grading run of honest students and attackers, each
-attack a small notebook with notebook 01's cell ids. Every test asserts what the honest students
-earned, that no submission file changed, and that nothing of the run is left running.
+"""A class that fights back (issue 38): one grading run of 30 submissions, 18 honest students and
+12 attackers, each attack a small notebook with notebook 01's cell ids. Every test asserts what the
+honest students earned, that no submission file changed, and that nothing of the run is left running.
 
-Marked slow (real kernels; about three minutes on 2 cores): ``pytest -m slow tests/test_grading_attacks.py``.
+Marked slow (real kernels; the file about four minutes on 2 cores at load 6-9): ``pytest -n 0 -m slow
+tests/test_grading_attacks.py``. The class of 30 takes 134 s, the class of 16 it grew from 101 s (back to
+back, old/new/old, load 4-7): the 14 students added are mostly small notebooks.
 """
 
 import contextlib
@@ -80,6 +82,45 @@ def attacks(csv_path, victim, course_file):
     }
 
 
+SAMPLER = "03_distributed_sampler.ipynb"
+SAMPLER_EXERCISES = ["rank_indices", "batch_arithmetic", "evaluate"]
+NA, ERR = "not attempted", "error"
+
+
+def honest_class(solved):
+    """{student: (notebook, file name, the verdicts it earned)}: honest students whose answers
+    vary (right, wrong, untouched, solved further down, a few exercises only, notebook 03). None
+    hands in the solution's weight_grad (only aaron and zoe share it); the small notebooks import
+    what their answers use. Small notebooks keep the class cheap: notebook 01 run whole costs most."""
+    chunk_loss, loss_of = solved["20e8e459"], "20e8e459"
+    plain_mean = "def chunk_loss(model, x_chunk, y_chunk, batch_size, n_chunks):\n    return nn.functional.mse_loss(model(x_chunk), y_chunk)"
+    imports = "import torch\nfrom torch import nn\nloss_fn = nn.functional.mse_loss"
+    late = student_01({"c09": solved["c09"], loss_of: chunk_loss})
+    late.cells.append(small(RIGHT_WEIGHT_GRAD + "  # done at last").cells[0])
+    one = "01_single_device.ipynb"
+    return {
+        "blank": (STUDENT, one, [NA, NA, NA]),
+        "mixed": (student_01({"c06": WRONG["c06"], "c09": solved["c09"], loss_of: chunk_loss}), one, ["wrong", "correct", "correct"]),
+        "wrong_loss": (student_01({"c06": RIGHT_WEIGHT_GRAD, "c09": solved["c09"], loss_of: plain_mean}), one,
+                       ["correct", "correct", "wrong"]),
+        "late_full": (late, one, ["correct", "correct", "correct"]),  # weight_grad judged on the cell appended at the end
+        "first_only": (small(RIGHT_WEIGHT_GRAD, "check.weight_grad(weight_grad)", ids=["c06", "c07"]), one, ["correct", ERR, ERR]),
+        "first_wrong": (small(WRONG["c06"], ids=["c06"]), one, ["wrong", ERR, ERR]),
+        "first_stub": (small(STUB, ids=["c06"]), one, [NA, ERR, ERR]),
+        "first_late": (small(STUB, "check.weight_grad(weight_grad)", RIGHT_WEIGHT_GRAD + "  # later", ids=["c06", "c07"]), one,
+                       ["correct", ERR, ERR]),
+        "chunks": (small(imports, solved["c09"], chunk_loss, ids=["c01", "c09", loss_of]), one, [ERR, "correct", "correct"]),
+        "chunk_sum": (small(imports, WRONG["c09"], ids=["c01", "c09"]), one, [ERR, "wrong", ERR]),
+        "loss_mean": (small(imports, plain_mean, ids=["c01", loss_of]), one, [ERR, ERR, "wrong"]),
+        "sampler": (small("rank3_padded = [3, 7, 11, 1]\nrank3_dropped = [3, 7, 11]", "global_batch = 128\nsteps_per_epoch = 390",
+                          ids=["c12", "c23"]), SAMPLER, ["correct", "wrong", ERR]),
+        "sampler_b": (small("rank3_padded = [3, 7, 11, 3]\nrank3_dropped = [3, 7, 11]", "global_batch = 128\nsteps_per_epoch = 391",
+                            ids=["c12", "c23"]), SAMPLER, ["wrong", "correct", ERR]),
+        "sampler_blank": (small("rank3_padded = ...  # ✏️ your answer\nrank3_dropped = ...  # ✏️ your answer", ids=["c12"]), SAMPLER,
+                          [NA, ERR, ERR]),
+    }
+
+
 def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -107,6 +148,8 @@ def graded(tmp_path_factory):
     course_file = sandbox.Path(grading.__file__).parents[1] / "checks" / "nb01.py"
     course_before = digest(course_file)
     paths.update((s, write(folder, s, nb)) for s, nb in attacks(out, victim, course_file).items())
+    honest = honest_class(solved)
+    paths.update((s, write(folder, s, nb, name)) for s, (nb, name, _) in honest.items())
     paths["yann"] = write(folder, "yann", small(RIGHT_WEIGHT_GRAD, FULL_BATCH, ids=["c06", "c09"]))
     paths["zoe"] = write(folder, "zoe", student_01(solved))  # graded last: after every attack
     paths["wrong"] = write(folder, "wrong", student_01(WRONG))
@@ -118,11 +161,13 @@ def graded(tmp_path_factory):
     with open(out, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     return {"rows": rows, "paths": paths, "before": before, "after": {s: digest(p) for s, p in paths.items()},
-            "printed": printed.getvalue(), "left": leftovers(), "course": (course_before, digest(course_file)), "out": out}
+            "printed": printed.getvalue(), "left": leftovers(), "course": (course_before, digest(course_file)), "out": out,
+            "honest": {s: ("03", dict(zip(SAMPLER_EXERCISES, v))) if name == SAMPLER else ("01", dict(zip(ALL, v)))
+                       for s, (_, name, v) in honest.items()}}
 
 
-def verdicts(graded, student):
-    return {r["exercise"]: r["verdict"] for r in graded["rows"] if r["student"] == student}
+def verdicts(graded, student, notebook="01"):
+    return {r["exercise"]: r["verdict"] for r in graded["rows"] if r["student"] == student and r["notebook"] == notebook}
 
 
 def feedback(graded, student, exercise):
@@ -136,6 +181,9 @@ def test_honest_students_get_exactly_what_they_earned(graded):
     assert verdicts(graded, "aaron") == verdicts(graded, "zoe") == ALL
     assert verdicts(graded, "yann") == {"weight_grad": "correct", "chunk_mean_grad": "wrong", "chunk_loss": "error"}
     assert verdicts(graded, "wrong") == {"weight_grad": "wrong", "chunk_mean_grad": "wrong", "chunk_loss": "not attempted"}
+    assert len(graded["paths"]) == 30  # the class of issue 38's "done when"
+    assert {s: verdicts(graded, s, number) for s, (number, _) in graded["honest"].items()} == {
+        s: earned for s, (_, earned) in graded["honest"].items()}
 
 
 @pytest.mark.parametrize("attacker", ["forger", "escapee", "vandal", "judge_killer", "course_editor", "forker", "hog", "talker"])
@@ -155,7 +203,9 @@ def test_nothing_of_the_run_is_left_running_and_the_csv_is_the_graders(graded):
     assert graded["left"] == []
     text = graded["out"].read_text(encoding="utf-8")
     assert text.startswith(",".join(grading.report.COLUMNS)) and "forged" not in text
-    assert len(graded["rows"]) == 3 * len(graded["paths"])
+    assert len(graded["rows"]) == 2 * 3 * len(graded["paths"])  # each student: the exercises of 01 and of 03
+    handed_in = {s: "03" if s.startswith("sampler") else "01" for s in graded["paths"]}
+    assert {r["verdict"] for r in graded["rows"] if r["notebook"] != handed_in[r["student"]]} == {NA}
 
 
 def test_verdicts_earned_before_a_crash_or_hang_are_kept(graded):
@@ -166,8 +216,9 @@ def test_verdicts_earned_before_a_crash_or_hang_are_kept(graded):
 
 
 def test_the_final_definition_counts_when_the_stub_stayed_in_place(graded):
-    assert verdicts(graded, "late")["weight_grad"] == "correct"
-    assert feedback(graded, "late", "weight_grad").endswith(grading.FINAL_NOTE)
+    for student in ("late", "late_full", "first_late"):  # an attacker, honest students (notebook 01 whole, a small one)
+        assert verdicts(graded, student)["weight_grad"] == "correct"
+        assert feedback(graded, student, "weight_grad").endswith(grading.FINAL_NOTE)
 
 
 def test_the_report_says_whether_submissions_were_isolated(graded):
