@@ -12,10 +12,13 @@ import csv
 import hashlib
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -237,8 +240,7 @@ def test_a_sandboxed_judge_killer_loses_only_its_own_exercise(graded):
 
 
 def test_a_grader_told_to_stop_keeps_what_it_graded_and_leaves_no_temp_folder(tmp_path):
-    folder, tmp = tmp_path / "class", tmp_path / "tmp"
-    tmp.mkdir()
+    folder, tmp = tmp_path / "class", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: not moved to /tmp
     write(folder, "a", small(RIGHT_WEIGHT_GRAD, ids=["c06"]))
     write(folder, "b", small(RIGHT_WEIGHT_GRAD, SLEEPER.format(n=3) + "\nimport time\ntime.sleep(600)", ids=["c06"]))
     out = tmp_path / "grades.csv"
@@ -264,6 +266,7 @@ def test_a_grader_told_to_stop_keeps_what_it_graded_and_leaves_no_temp_folder(tm
     with open(out, newline="", encoding="utf-8") as f:
         assert [(r["student"], r["verdict"]) for r in csv.DictReader(f)][:1] == [("a", "correct")]
     assert [p.name for p in tmp.iterdir() if p.name.startswith("course-grade-")] == []  # (torch's own caches may be there)
+    shutil.rmtree(tmp, ignore_errors=True)
     time.sleep(1)
     assert leftovers() == []
 

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import nbformat
 import pytest
 
@@ -294,3 +296,23 @@ def test_without_bubblewrap_grading_runs_and_says_loudly_it_is_not_isolated(tmp_
     assert logged[0].startswith("WARNING: submissions are NOT ISOLATED (`bwrap` not found")
     assert [(r.student, r.verdict, r.isolation) for r in rows] == [
         ("ann", "error", "NOT ISOLATED: `bwrap` not found (install the `bubblewrap` package)")]
+
+
+def test_under_a_long_tmpdir_the_graders_folder_stays_short_enough_for_sockets(tmp_path, monkeypatch):
+    """A kernel's sockets are files in the grader's folder, and a Unix socket's path has at most
+    107 bytes: under a long TMPDIR (CI's pytest folders) the kernel could not start ("ZMQError:
+    File name too long"); the grader then makes its folder in /tmp."""
+    import tempfile
+
+    from course.classroom import grading
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    setting = grading.Class([], sealed=False)
+    try:
+        socket = setting.workdir() / "k-65535"
+        assert setting.folder.parent == Path("/tmp") and len(str(socket)) < 100, socket
+    finally:
+        setting.close()
+    assert not setting.folder.exists()

@@ -44,6 +44,9 @@ from course.classroom.runner import GraderError, Limits, run_notebook
 from course.classroom.submissions import exercise_table, find_submissions, identify
 from course.runtime import interrupts
 
+# A kernel's sockets are files in its scratch folder (ipc://FOLDER/nN/k-PORT), and a Unix socket's path
+# has at most 107 bytes on Linux (103 on macOS): the grader's folder stays at most this long.
+SHORT_FOLDER = 64
 FINAL_NOTE = " (judged on its final definition, further down the notebook: where the exercise stands it was still the stub)"
 
 
@@ -72,6 +75,9 @@ class Class:
         from course.training.data import data_dir
 
         self.folder = Path(tempfile.mkdtemp(prefix="course-grade-"))
+        if len(str(self.folder)) > SHORT_FOLDER:  # under a long TMPDIR the kernels' sockets could not be made
+            shutil.rmtree(self.folder)
+            self.folder = Path(tempfile.mkdtemp(prefix="course-grade-", dir="/tmp"))
         self.course = copy_course(self.folder / "course-copy")
         self.version = course_hash(self.course / "course")
         self.why_not = sandbox.probe() if sealed else "turned off (--no-sandbox)"
@@ -87,7 +93,7 @@ class Class:
         """A fresh scratch folder for one kernel (the only one it may write)."""
         with self.lock:
             self.count += 1
-            folder = self.folder / f"notebook-{self.count}"
+            folder = self.folder / f"n{self.count}"
         folder.mkdir()
         sandbox.give_to_sandbox(folder)
         return folder
