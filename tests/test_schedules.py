@@ -56,6 +56,15 @@ def test_zb_h2_holds_2p_minus_1_and_with_m_at_least_2p_minus_1_no_rank_idles_ins
         assert cs.rank_idle(h1.logs) == [p - 1 - r for r in range(p)]
 
 
+def test_zb_h2_idles_inside_a_rank_exactly_when_m_is_below_2p_minus_1():
+    """The sweep the notebook cites: zero idle inside every rank's span iff m >= 2p - 1."""
+    for p in range(2, 8):
+        for m in range(1, 20):
+            idle = cs.rank_idle(cs.simulate(cs.zb_h2(p, m), p, m, 1).logs)
+            assert (idle == [0] * p) == (m >= 2 * p - 1), (p, m, idle)
+    assert cs.rank_idle(cs.simulate(cs.zb_h2(4, 4), 4, 4, 1).logs) == [3, 1, 0, 0]
+
+
 def test_memory_zb_h1_every_rank_p_1f1b_p_minus_r():
     assert cs.simulate(cs.zb_h1(4, 8), 4, 8, 1).peak == [4, 4, 4, 4]
     assert cs.simulate(cs.one_f_one_b_table(4, 8), 4, 8, 1).peak == [4, 3, 2, 1]

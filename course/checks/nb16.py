@@ -107,8 +107,10 @@ def _first_round(p, m):
 @exercise(
     "Exercise 1 (interleaved 1F1B)",
     hint="list the forwards of a rank in the order it runs them: a round of micro-batches through chunk 0, then "
-    "the same round through chunk 1, ... The backwards go the same way, chunks reversed. Rank r warms up with "
-    "(v - 1) * (round size) + 2 * (p - 1 - r) forwards, then alternates F and B, then runs the backwards left.",
+    "the same round through chunk 1, ... The backwards go the same way, chunks reversed. For the warm-up, "
+    "count, one slot per F or B, the forwards rank r can run before micro-batch 0's gradient is back on its "
+    "last chunk: those of its earlier chunks that come first in the order, its own forward of micro-batch "
+    "0 on its last chunk, and one for every slot of the round trip to the last rank and back. Then it alternates F and B, then runs the backwards left.",
     finished=("course.parallel.schedules.interleaved_1f1b",),
 )
 def interleaved(fn):

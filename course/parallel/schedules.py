@@ -116,7 +116,8 @@ def zb_h2(p, m):
     """ZB-H2 (Qi et al. 2024): more forwards to warm up, up to 2p - 1 micro-batches held, and the
     W's moved to where a rank would wait. Built greedily in unit time (F = B = W): a free rank
     runs the B whose gradient has arrived, else a forward if it holds fewer than 2p - 1
-    micro-batches, else its oldest W. Each rank is then busy from its first action to its last."""
+    micro-batches, else its oldest W. With m >= 2p - 1 each rank is then busy from its first
+    action to its last (with fewer, rank 0 still waits); it holds min(m, 2p - 1)."""
     orders, end = [[] for _ in range(p)], {}  # end: (op, mb, rank) -> time it ended
     forwards, backwards, held, pending = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)]
     t = 0
