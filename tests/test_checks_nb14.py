@@ -62,6 +62,19 @@ def _logaddexp_guarded(out1, lse1, out2, lse2):  # another correct answer
     return (lse1 - safe).exp()[..., None] * out1 + (lse2 - safe).exp()[..., None] * out2, lse
 
 
+def _first_as_ref(out1, lse1, out2, lse2):  # rescales by lse1, not the max: e^(lse2 - lse1) overflows
+    m = torch.where(lse1 == -torch.inf, lse2, lse1)
+    m = m.masked_fill(m == -torch.inf, 0)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    t = w1 + w2
+    return (w1[..., None] * out1 + w2[..., None] * out2) / t.clamp(min=1e-30)[..., None], m + t.log()
+
+
+def _clamped(out1, lse1, out2, lse2):  # right, but an empty merge gets lse -1e30 instead of -inf
+    out, lse = merge(out1, lse1, out2, lse2)
+    return out, lse.clamp(min=-1e30)
+
+
 def test_merge_accepts_correct_answers():
     assert nb14.merge(merge).status == "correct"
     assert nb14.merge(_logaddexp_guarded).status == "correct"
@@ -89,6 +102,13 @@ def test_merge_keeps_two_empty_partials_empty():
 def test_merge_rejects_wrong_answers(answer, hint):
     feedback = nb14.merge(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+@pytest.mark.parametrize("answer, hint", [(_first_as_ref, "an exp overflowed"), (_clamped, "exactly -inf")])
+def test_merge_rejects_near_misses_every_time(answer, hint):  # the check's inputs are random: try several
+    for _ in range(8):
+        feedback = nb14.merge(answer)
+        assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
 def test_an_untouched_stub_is_not_attempted():

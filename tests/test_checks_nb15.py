@@ -288,6 +288,9 @@ def _right(counts, rank, dim):
         (lambda c, r, d: 4352, "you predicted"),  # one right answer, hard-coded
         (lambda c, r, d: int(c[r].sum() - c[r, r]) * 128 * 4, "you predicted"),  # dim hard-coded
         (lambda c, r, d: "many", "return a number of bytes"),
+        (lambda c, r, d: _right(c, r, d) + d * 4, "you predicted"),  # one token too many
+        (lambda c, r, d: _right(c, r, d) - d * 4, "you predicted"),  # one token too few
+        (lambda c, r, d: _right(nb15.random_send_counts(len(c), len(c) - 2), r, d), "you predicted"),  # a table
     ],
 )
 def test_bytes_sent_rejects_wrong_answers(predict, hint):

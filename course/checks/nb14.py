@@ -86,7 +86,7 @@ def merge(fn):
                     return wrong("the plain average weighs both chunks equally; weigh each by its share of the "
                                  "softmax's denominator, e^(lse_i - lse).")
                 return wrong(f"with {name}{order} the merged output differs from attention over all keys.")
-    feedback = _fold_backwards(fn, seed)
+    feedback = _fold_backwards(fn, seed) or _far_apart_and_empty(fn, seed)
     if feedback is not None:
         return feedback
     return correct("equals attention over all keys, with large scores and empty partials.")
@@ -114,6 +114,42 @@ def _fold_backwards(fn, seed):
         return wrong("folding causal chunks from the last one back (keys 6-8, then 3-5, then 0-2), queries 0-2 "
                      "first meet two partials that both saw no key (lse -inf): -inf - (-inf) is nan, and the nan "
                      "stays. Merging two empty partials must give out 0 and lse -inf.")
+    return None
+
+
+def _far_apart_and_empty(fn, seed):
+    """Rows whose two lse are 200 apart, each way round (e^200 overflows float32, so a merge that rescales
+    by either lse but the larger one gives inf), and rows where both partials saw no key (lse -inf, out 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out1, out2 = torch.randn(2, 6, DIM, generator=g), torch.randn(2, 6, DIM, generator=g)
+    inf = float("inf")
+    lse1 = torch.tensor([[0.0, 200.0, -inf, 0.0, 200.0, -inf]] * 2)
+    lse2 = torch.tensor([[200.0, 0.0, -inf, 200.0, 0.0, -inf]] * 2)
+    empty = torch.isneginf(lse1)
+    out1[empty], out2[empty] = 0.0, 0.0
+    want_out = torch.where((lse1 > lse2)[..., None], out1, out2).masked_fill(empty[..., None], 0.0)
+    want_lse = torch.maximum(lse1, lse2)  # e^-200 is 0 in float32: the smaller partial adds nothing
+    try:
+        result = _as_pair(fn(out1.clone(), lse1.clone(), out2.clone(), lse2.clone()))
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        return wrong(f"with partials whose lse are 0 and 200 your merge raised {type(e).__name__}: {e}")
+    if result is None:
+        return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+    out, lse = result
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return wrong(f"out should have shape {tuple(want_out.shape)} and lse {tuple(want_lse.shape)}; got "
+                     f"{tuple(out.shape)} and {tuple(lse.shape)}.")
+    far = ~empty
+    if not (torch.isfinite(out[far]).all() and torch.isfinite(lse[far]).all()):
+        return wrong("with partials whose lse are 0 and 200 (either way round) an exp overflowed to inf: "
+                     "e^200 is beyond float32. Subtract the larger of the two lse, not the first one.")
+    if not (torch.allclose(out[far], want_out[far], rtol=1e-5, atol=1e-5)
+            and torch.allclose(lse[far], want_lse[far], rtol=1e-5, atol=1e-5)):
+        return wrong("with partials whose lse are 0 and 200 the merge should return the second partial "
+                     "(and lse 200) nearly unchanged: e^-200 is 0 in float32.")
+    if not (torch.isneginf(lse[empty]).all() and torch.equal(out[empty], torch.zeros_like(out[empty]))):
+        return wrong("merging two partials that both saw no key (lse -inf) must give out 0 and lse exactly "
+                     "-inf, not a large negative number: that is what attention over no keys gives.")
     return None
 
 
