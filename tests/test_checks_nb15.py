@@ -115,14 +115,15 @@ def test_balancing_loss_accepts_the_course_function():
         (_aux(count="kept"), "counts only the kept assignments"),
         (_aux(guard_empty="constant"), "a constant 0 with no graph"),
         (_aux(times_e=False), "times too small: multiply by E"),
-        (_aux(p_from="weights"), "not the k weights"),
+        (_aux(p_from="weights"), ("not the k weights", "P_e, from the logits, carries it")),  # value right by chance: 1 seed in 60
         (_aux(straight_through=True), "the value is right but the gradient is not"),
         (_aux(guard_empty=False), "0, not 0/0"),
     ],
 )
 def test_balancing_loss_rejects_wrong_answers(answer, hint):
     feedback = nb15.balancing_loss(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    hints = hint if isinstance(hint, tuple) else (hint,)
+    assert feedback.status == "wrong" and any(h in feedback.message for h in hints), feedback
 
 
 # ------------------------------------------------------------------ Exercise 3: dispatch and combine
@@ -295,7 +296,10 @@ def _right(counts, rank, dim):
 )
 def test_bytes_sent_rejects_wrong_answers(predict, hint):
     feedback = nb15.bytes_sent(predict)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+    # the counts are drawn at random: a wrong guess may, by chance, equal what a rank receives (its column)
+    # or its row with its own chunk, and is then named as that mistake instead
+    by_chance = ("that is what the rank receives", "a rank's own chunk is copied") if hint == "you predicted" else ()
+    assert feedback.status == "wrong" and any(h in feedback.message for h in (hint, *by_chance)), feedback
 
 
 def test_bytes_sent_accepts_the_payload_and_the_payload_plus_headers():

@@ -294,8 +294,13 @@ def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name, sca
         return {**report, "bad_result": True}
     out, lse = result
     report["finite"] = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
-    report["ok_out"] = out.shape == expected[..., mine, :].shape and torch.allclose(out, expected[..., mine, :], atol=1e-5)
-    report["ok_lse"] = lse.shape == expected_lse[..., mine].shape and torch.allclose(lse, expected_lse[..., mine], atol=1e-5)
+    # 1e-4: with q x 60 the lse are hundreds, float32 keeps them to ~3e-5, and the merge's weights e^(lse_i - lse)
+    # carry that error into the output: a right ring that merges in another order (arrival order) differs by
+    # a few 1e-5 (seen: a 1e-5 tolerance failed such answers now and then on a busy machine)
+    report["ok_out"] = out.shape == expected[..., mine, :].shape and torch.allclose(out, expected[..., mine, :],
+                                                                                   rtol=1e-4, atol=1e-4)
+    report["ok_lse"] = lse.shape == expected_lse[..., mine].shape and torch.allclose(lse, expected_lse[..., mine],
+                                                                                    rtol=1e-4, atol=1e-4)
     report["uncausal"] = causal and out.shape == expected[..., mine, :].shape and torch.allclose(
         out, F.scaled_dot_product_attention(q, k, v)[..., mine, :], atol=1e-5)
     return report
