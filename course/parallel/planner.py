@@ -692,9 +692,10 @@ def validation(seq: int = 8192) -> list:
     return rows
 
 
-# Llama 3 405B's pre-training (Llama Team, *The Llama 3 Herd of Models*, arXiv:2407.21783, Table 4): 16,384
-# H100s, 2,048 sequences of 8,192 tokens per step, TP 8 x PP 16 x DP 128, an interleaved schedule, the first
-# and last stages one layer shorter; FSDP sharding the optimizer state and gradients, not resharding the
+# Llama 3 405B's pre-training (Llama Team, *The Llama 3 Herd of Models*, arXiv:2407.21783, not read here: the
+# layout second-hand, as P. Balaji's SC'24 slide lists it, quoted at glennklockwood.com/garden/llama-3.1): 16,384
+# H100s, TP 8 x PP 16, 16M tokens (2,048 sequences of 8,192) per step, so DP 128; an interleaved schedule, the
+# first and last stages one layer shorter (the paper's section 3.3.2, as reported); FSDP sharding the optimizer state and gradients, not resharding the
 # weights after forward (ZeRO-2 here). The paper does not give v; 4 chunks per rank is our assumption.
 LLAMA3_405B_RUN = (LLAMA3_405B, Cluster(16384), 2048, 8192,
                    Config(dp=128, tp=8, pp=16, zero=2, micro_batch=1, recompute="selective", schedule="interleaved", v=4))
