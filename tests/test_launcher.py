@@ -876,3 +876,10 @@ def test_a_rank_that_dies_alone_is_reported_at_once_not_at_the_timeout(start_met
         launch(job, world_size, timeout=60, show=None, start_method=start_method)
     assert time.monotonic() - start < 10
     assert info.value.failed[0].startswith("process was killed by signal SIGKILL")
+
+
+def test_a_press_noted_just_before_the_launch_began_reads_as_at_its_start():
+    """The kernel's hooks may note a press a moment before ``launch`` records its start: the line
+    must not say "after -0.0 s" (seen once in 50 presses)."""
+    message = str(course.runtime.launcher.LaunchInterrupted(2, None, -1e-9))
+    assert message == "interrupted after 0.0 s: course.launch stopped all 2 ranks before they started."

@@ -300,6 +300,7 @@ class LaunchInterrupted(KeyboardInterrupt):
     (IPython shows what ``_render_traceback_`` returns); ``ranks`` lists those that still ran."""
 
     def __init__(self, world_size, ranks, seconds):
+        seconds = max(0.0, seconds)  # a press noted just before the launch began counts as at its start ("-0.0 s" seen)
         if ranks is None:  # pressed before the first fork
             running, ranks = f"all {world_size} ranks before they started", []
         elif len(ranks) in (0, world_size):
