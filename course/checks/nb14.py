@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from course.parallel import context_parallel as cp
-from course.classroom.exercises import correct, exercise, replaced, wrong
+from course.classroom.exercises import Feedback, correct, exercise, replaced, wrong
 from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
 
 DIM = 8
@@ -61,16 +61,10 @@ def merge(fn):
     for name, scale, causal, first_query, lead in cases:
         (out, lse), (out1, lse1), (out2, lse2) = _partials(seed, scale, causal, first_query, lead)
         for args, order in (((out1, lse1, out2, lse2), ""), ((out2, lse2, out1, lse1), " (partials given in the other order)")):
-            try:
-                result = _as_pair(fn(*(t.clone() for t in args)))
-            except Exception as e:  # noqa: BLE001 - reported as the feedback
-                return wrong(f"with {name}{order} your merge raised {type(e).__name__}: {e}")
-            if result is None:
-                return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+            result = _merged(fn, args, out, lse, f"{name}{order}")
+            if isinstance(result, Feedback):
+                return result
             got_out, got_lse = result
-            if got_out.shape != out.shape or got_lse.shape != lse.shape:
-                return wrong(f"out should have shape {tuple(out.shape)} and lse {tuple(lse.shape)}; got "
-                             f"{tuple(got_out.shape)} and {tuple(got_lse.shape)}.")
             if not (torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()):
                 if name == "large scores":
                     return wrong("with large scores (lse ≈ hundreds) an exp overflowed to inf: e^89 is already "
@@ -117,6 +111,22 @@ def _fold_backwards(fn, seed):
     return None
 
 
+def _merged(fn, args, want_out, want_lse, where):
+    """The student's merge of ``args`` (copies) as (out, lse) of the expected shapes, or the feedback
+    that says why not (it raised, returned no pair, or the wrong shapes)."""
+    try:
+        result = _as_pair(fn(*(t.clone() for t in args)))
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        return wrong(f"with {where} your merge raised {type(e).__name__}: {e}")
+    if result is None:
+        return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+    out, lse = result
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return wrong(f"out should have shape {tuple(want_out.shape)} and lse {tuple(want_lse.shape)}; got "
+                     f"{tuple(out.shape)} and {tuple(lse.shape)}.")
+    return out, lse
+
+
 def _far_apart_and_empty(fn, seed):
     """Rows whose two lse are 200 apart, each way round (e^200 overflows float32, so a merge that rescales
     by either lse but the larger one gives inf), and rows where both partials saw no key (lse -inf, out 0)."""
@@ -129,16 +139,10 @@ def _far_apart_and_empty(fn, seed):
     out1[empty], out2[empty] = 0.0, 0.0
     want_out = torch.where((lse1 > lse2)[..., None], out1, out2).masked_fill(empty[..., None], 0.0)
     want_lse = torch.maximum(lse1, lse2)  # e^-200 is 0 in float32: the smaller partial adds nothing
-    try:
-        result = _as_pair(fn(out1.clone(), lse1.clone(), out2.clone(), lse2.clone()))
-    except Exception as e:  # noqa: BLE001 - reported as the feedback
-        return wrong(f"with partials whose lse are 0 and 200 your merge raised {type(e).__name__}: {e}")
-    if result is None:
-        return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+    result = _merged(fn, (out1, lse1, out2, lse2), want_out, want_lse, "partials whose lse are 0 and 200")
+    if isinstance(result, Feedback):
+        return result
     out, lse = result
-    if out.shape != want_out.shape or lse.shape != want_lse.shape:
-        return wrong(f"out should have shape {tuple(want_out.shape)} and lse {tuple(want_lse.shape)}; got "
-                     f"{tuple(out.shape)} and {tuple(lse.shape)}.")
     far = ~empty
     if not (torch.isfinite(out[far]).all() and torch.isfinite(lse[far]).all()):
         return wrong("with partials whose lse are 0 and 200 (either way round) an exp overflowed to inf: "
