@@ -220,8 +220,11 @@ def stage_params(model: Model, tp: int, pp: int, stage: int, ends: bool = True) 
     return params
 
 
-def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool, fp32_norm: bool = False):
-    """One bf16 block of ``model``'s shape with ``head_dim``-wide heads: (forward, its modules, input)."""
+def block_of(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool = False, fp32_norm: bool = False,
+             sdpa: bool = False):
+    """One bf16 block of ``model``'s shape with ``head_dim``-wide heads on ``device``: (forward, its modules,
+    input). On a CUDA device attention is the fused flash kernel called directly, unless ``sdpa``:
+    ``F.scaled_dot_product_attention``, which picks a kernel by asking the GPU (only on a real one)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -248,7 +251,7 @@ def _block(model: Model, seq: int, head_dim: int, device: str, repeat_kv: bool, 
         return t.repeat_interleave(group, dim=1) if repeat_kv and n != model.heads else t
 
     def attention(q_, k_, v_):
-        if device == "cpu":
+        if device == "cpu" or sdpa:
             return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=k_.shape[1] != q_.shape[1])
         # the fused kernel SDPA picks on an H100; SDPA itself would ask the (absent) GPU and fall back to the math path
         return torch.ops.aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, True)[0]
@@ -306,6 +309,8 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
       in bf16 is a composite that saves fp32 copies of its input: all of the difference (without
       norms both give 37.50). It is the model's code and torch's dispatch, not the device: a
       hand-written RMSNorm that casts to fp32 keeps fp32 copies on CUDA too (``fp32_norm``).
+    * ``"gpu"``: the ``"cuda"`` block really run on this machine's CUDA GPU (benchmarks/gpu_memory.py
+      compares the two on an H100).
 
     ``recompute="none"``: ``saved_tensors_hooks`` see every tensor autograd keeps (each storage
     once, weights left out). ``"selective"`` / ``"full"``: the block runs under
@@ -314,16 +319,20 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
     the output. ``repeat_kv``: K and V repeated to every head before attention (torchtitan's Llama
     in 2024) instead of grouped-query attention. ``fp32_norm``: RMSNorm written by hand, casting to
     fp32 (torchtitan's Llama in 2024), in place of ``nn.RMSNorm``."""
+    import torch
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from course.observe.memory import LiveBytes, saved_activation_bytes
 
-    if kernels not in ("cuda", "cpu") or recompute not in RECOMPUTE:
-        raise ValueError(f"kernels is 'cuda' or 'cpu', recompute one of {RECOMPUTE}: "
+    if kernels not in ("cuda", "cpu", "gpu") or recompute not in RECOMPUTE:
+        raise ValueError(f"kernels is 'cuda', 'cpu' or 'gpu', recompute one of {RECOMPUTE}: "
                          f"not {kernels!r}, {recompute!r}")
+    if kernels == "gpu" and not torch.cuda.is_available():
+        raise ValueError("kernels='gpu' runs the block on this machine's CUDA GPU, and it has none: "
+                         "use kernels='cuda' (CUDA's formulas traced without a GPU)")
     if kernels == "cpu" and recompute != "none":
         raise ValueError("recomputation is measured on the cuda kernels only")
-    head_dim = head_dim or (model.hidden // model.heads if kernels == "cuda" else 8)
+    head_dim = head_dim or (8 if kernels == "cpu" else model.hidden // model.heads)
     fake = None
     if kernels == "cuda":
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -331,7 +340,7 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         fake = FakeTensorMode()
         fake.__enter__()
     try:
-        block, modules, x = _block(model, seq, head_dim, kernels, repeat_kv, fp32_norm)
+        block, modules, x = block_of(model, seq, head_dim, "cpu" if kernels == "cpu" else "cuda", repeat_kv, fp32_norm)
         width = seq * model.heads * head_dim
         if recompute == "none":
             saved, _ = saved_activation_bytes(block, modules, x)  # the input: kept by norm 1
