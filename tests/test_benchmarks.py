@@ -24,7 +24,18 @@ CASES = {
 
 def test_every_benchmark_script_is_smoke_tested():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"common.py"}
-    assert scripts <= set(CASES), f"add a smoke test for {scripts - set(CASES)}"
+    assert scripts - {"gpu_memory.py"} <= set(CASES), f"add a smoke test for {scripts - set(CASES)}"
+
+
+def test_gpu_memory_without_a_gpu_says_so_and_points_to_the_trace(monkeypatch):
+    """benchmarks/gpu_memory.py measures on a CUDA GPU (never in CI): without one it stops with a
+    message naming what to use instead, before it builds anything."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run the script itself")
+    path = ROOT / "benchmarks" / "gpu_memory.py"
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    with pytest.raises(SystemExit, match="has none.*activation_coefficient"):
+        runpy.run_path(str(path), run_name="__main__")
 
 
 @pytest.mark.slow  # each script imports and runs what it measures: 30-40 s together, in .ci/run's slow part

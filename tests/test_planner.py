@@ -2,6 +2,7 @@
 itself), and the activation coefficients against a count of the tensors a Llama block saves."""
 
 import pytest
+import torch
 
 from course import launch
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
@@ -44,6 +45,10 @@ def test_cpu_kernels_save_more_than_cuda_kernels():
     assert cpu - cuda8 > 10  # CPU's composite RMSNorm keeps fp32 copies (measured 53.5 against 41.5)
     with pytest.raises(ValueError):
         planner.activation_coefficient(LLAMA3_8B, "tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="has none"):
+            planner.activation_coefficient(LLAMA3_8B, "gpu")
+
 
 
 def test_recompute_accepts_the_old_booleans_and_refuses_other_words():
