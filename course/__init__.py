@@ -12,7 +12,7 @@ The package is five layers; each imports only the layers below it, never one abo
 
 The runtime knows nothing of checks: a layer above that needs something in every rank registers
 a hook (``course.runtime.launcher.on_launch``; the classroom's guard does). A test keeps the
-order (tests/test_packaging.py).
+order (tests/test_layers.py).
 """
 
 from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
