@@ -20,6 +20,8 @@ nbval runs every notebook it collects, one pytest item per code cell.
   tests/test_browser.py tests/test_site.py``, as ``.ci/run`` does beside the main run), not in ``pytest``.
 * Tests of a judge's own reasons use the fixture ``judges_only`` (``course.classroom.guard`` off: their
   wrong answers are the course's finished code with one thing changed).
+* A test that patches something in this process for the ranks to see uses the fixture ``forked_ranks``:
+  only a forked rank inherits the patch, and on Linux with a CUDA GPU the default is forkserver.
 * A number printed with a leading ``~`` (``f"~{loss:.2f}"``) is a measurement that changes
   with the CPU; tests/nbval_sanitize.cfg makes nbval compare it as ``~N``.
 * With ``-n 2 --dist loadfile`` (pytest-xdist) a notebook's cells stay on one worker, with
@@ -118,3 +120,13 @@ def judges_only(monkeypatch):
         for obj in vars(importlib.import_module(f"course.checks.{info.name}")).values():
             if isinstance(obj, Exercise):
                 monkeypatch.setattr(obj, "finished", ())
+
+
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """Launches in this test fork their ranks from this process, so the ranks see its monkeypatches.
+    A forkserver's rank (the default on Linux with a CUDA GPU) or a spawned one imports the course
+    afresh: a patch made here would not reach it (measured on an H100 machine: the test then failed)."""
+    from course.runtime.launcher import START_METHOD_VARIABLE
+
+    monkeypatch.setenv(START_METHOD_VARIABLE, "fork")

@@ -259,7 +259,7 @@ def test_row_parallel_rejects_communication_on_another_group(backward):
     assert feedback.status == "wrong" and "created another process group" in feedback.message, feedback
 
 
-def test_row_parallel_measures_backward_on_the_wire(monkeypatch):
+def test_row_parallel_measures_backward_on_the_wire(monkeypatch, forked_ranks):
     """Even if the new group went unseen, course.observe.wire sees its bytes; a right backward sends none."""
     if not nb12.wire.available():
         pytest.skip("course.observe.wire cannot read the sockets here")

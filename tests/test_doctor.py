@@ -29,7 +29,7 @@ def test_a_torch_older_than_the_declared_floor_fails_with_the_install_command(ca
     assert 'older than the course supports (torch>=99.0): pip install "torch>=99.0"' in capsys.readouterr().out
 
 
-def test_a_traced_backend_that_cannot_be_built_fails_clearly(capsys, monkeypatch):
+def test_a_traced_backend_that_cannot_be_built_fails_clearly(capsys, monkeypatch, forked_ranks):
     def broken(self, *args):  # what torch < 2.14 said to a Python Backend
         raise TypeError("TracingBackend: No constructor defined!")
 

@@ -63,9 +63,20 @@ def _unwrapped(plain):
     return plain.replace("\n", " ")
 
 
-def _ranks_alive(km):
+def _kernel_children(km):
+    """Every process under the kernel, zombies included, but multiprocessing's long-lived helpers: the
+    kernel's children that run them. A forkserver's ranks are forks of the server (with its command
+    line) but its children, not the kernel's: they count."""
     kernel = psutil.Process(km.provisioner.process.pid)
-    return [p for p in kernel.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    helpers = {p.pid for p in kernel.children()
+               if any(h in " ".join(p.cmdline() or [""]) for h in ("resource_tracker", "multiprocessing.forkserver"))}
+    return [p for p in kernel.children(recursive=True) if p.pid not in helpers]
+
+
+def _ranks_alive(km):
+    """The kernel's live children but multiprocessing's long-lived helpers (a forkserver, the default
+    with a CUDA GPU, and its resource tracker outlive every launch)."""
+    return [p for p in _kernel_children(km) if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_interrupt_ends_in_one_line_and_shows_the_ranks_output_once(kernel):
@@ -194,13 +205,6 @@ SHORT_LAUNCHES = (
 ONE_LINE = re.compile(r"⏹ KeyboardInterrupt: (interrupted after \d+\.\d s: course\.launch stopped "
                       r"(all [23] ranks( before they started)?|rank\(s\) [0-9, ]+ of [23] \(the others had finished\))"
                       r"|interrupted at (Cell In\[\d+\], line \d+|the end of Cell In\[\d+\]) while no rank was running)\.")
-
-
-def _kernel_children(km):
-    """Every process under the kernel, zombies included, but multiprocessing's long-lived helpers."""
-    kernel = psutil.Process(km.provisioner.process.pid)
-    return [p for p in kernel.children(recursive=True)
-            if not any(h in " ".join(p.cmdline() or [""]) for h in ("resource_tracker", "multiprocessing.forkserver"))]
 
 
 # A press made at a chosen instant: SIGINT sent by the kernel to itself from code that is not a cell's

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import course
 from course import WorkerError, WorkerTimeoutError, launch
-from course.runtime.launcher import choose_start_method, default_start_method
+from course.runtime.launcher import choose_start_method, default_start_method, default_threads
 from course.runtime.worker import pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +35,12 @@ FORKING = ["fork", "forkserver"]
 
 
 def _children():
-    """Live descendants of this process, except multiprocessing's long-lived helpers."""
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in LONG_LIVED_HELPERS)
-    ]
+    """Live descendants of this process, except multiprocessing's long-lived helpers: its own
+    children that run them. A forkserver's ranks are forks of the server (with its command line)
+    but its children, not ours: they count."""
+    me = psutil.Process()
+    helpers = {p.pid for p in me.children() if any(h in " ".join(p.cmdline()) for h in LONG_LIVED_HELPERS)}
+    return [p for p in me.children(recursive=True) if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _forkservers(pid):
@@ -94,7 +94,9 @@ def test_each_rank_has_an_initialised_gloo_process_group_and_launcher_env():
             torch.get_num_threads(),
         )
 
-    assert launch(job, 3, show=None) == [(r, 3, "gloo", 6.0, str(r), str(r), "3", 1) for r in range(3)]
+    # A forked rank runs 1 thread; a forkserver's rank (the default with a CUDA GPU) its share of the cores.
+    threads = 1 if default_start_method() == "fork" else default_threads(3)
+    assert launch(job, 3, show=None) == [(r, 3, "gloo", 6.0, str(r), str(r), "3", threads) for r in range(3)]
 
 
 def test_closures_and_tensor_arguments_work():

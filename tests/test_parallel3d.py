@@ -40,8 +40,8 @@ def test_3d_training_equals_one_process_and_sends_what_the_laws_and_headers_say(
         assert r["sent"] == {dim: steps * (law[dim] + headers[dim]) for dim in ("dp", "pp", "tp")}, (rank, r["sent"])
 
 
-def test_pipeline_of_4_stages_sends_one_way_at_the_ends_and_both_ways_in_the_middle(monkeypatch):
-    # TinyLM with 4 blocks on dp x pp x tp = 2 x 4 x 1 (fork: the ranks see the patched module)
+def test_pipeline_of_4_stages_sends_one_way_at_the_ends_and_both_ways_in_the_middle(monkeypatch, forked_ranks):
+    # TinyLM with 4 blocks on dp x pp x tp = 2 x 4 x 1 (forked ranks see the patched module)
     monkeypatch.setattr(parallel3d, "TinyLM", functools.partial(parallel3d.TinyLM, layers=4))
     deep = dataclasses.replace(TINY, layers=4)
     m, steps = 2, 2
