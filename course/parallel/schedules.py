@@ -12,8 +12,9 @@ gives rank ``r`` the stages ``r, r + p, r + 2p, ...``; DualPipeV and ZBV (``layo
 it stages ``r`` and ``2p - 1 - r``.
 
 :func:`simulate` checks a table (each action once, F before B before W on a rank, no
-deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each) and returns
-each rank's timeline and its peak of activations held. :func:`run_schedule` runs the same table
+deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each, or the
+times measured, with a message's latency) and returns each rank's timeline and its peak of
+activations held. :func:`run_schedule` runs the same table
 on real ranks (gloo ``isend``/``irecv``). The notebook derives :func:`interleaved_1f1b` and
 :func:`zb_h1`; a test asserts that its cells and this file hold the same code.
 """
