@@ -87,6 +87,20 @@ def test_the_simulator_refuses_broken_tables():
         cs.simulate(deadlock, 2, 2, 1)
 
 
+def test_a_message_between_ranks_costs_the_latency_and_one_within_a_rank_costs_nothing():
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0}  # a whole backward (no W rows) costs B + W = 2
+    gpipe = cs.gpipe_table(2, 1)  # F on rank 0, F and B on rank 1, B on rank 0: two messages
+    for latency in (0.0, 0.25):
+        logs = cs.simulate(gpipe, 2, 1, 1, cost=cost, latency=latency).logs
+        assert max(a[-1] for log in logs for a in log) == 6 + 2 * latency
+    # the V placement on 2 ranks: stages 0, 3 on rank 0 and 1, 2 on rank 1; 1 -> 2 stays on rank 1
+    v_table = cs.from_orders([[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]] * 2)
+    logs = cs.simulate(v_table, 2, 1, 2, "v", cost=cost, latency=0.25).logs
+    assert max(a[-1] for log in logs for a in log) == 12 + 4 * 0.25  # 4 messages, not 6
+    one_f_one_b = cs.one_f_one_b_table(2, 4)
+    assert cs.simulate(one_f_one_b, 2, 4, 1, latency=0.1).bubble > cs.simulate(one_f_one_b, 2, 4, 1).bubble
+
+
 def test_bubble_fraction_names_its_schedules():
     with pytest.raises(ValueError, match="schedule must be one of"):
         cs.bubble_fraction("dualpipe", 4, 8)
@@ -154,8 +168,11 @@ def _run(rank, p, table, v, m, layout):
     def blocking_recv(*args, **kwargs):
         raise AssertionError("run_schedule blocked in recv")
 
+    cpu = []
     with mock.patch.object(dist, "irecv", recording_irecv), mock.patch.object(dist, "recv", blocking_recv):
-        log = cs.run_schedule(chunks, cs.orders_of(table, p)[rank], list(x.chunk(m)), list(y.chunk(m)), layout)
+        log = cs.run_schedule(chunks, cs.orders_of(table, p)[rank], list(x.chunk(m)), list(y.chunk(m)), layout, cpu=cpu)
+    # each action's CPU time (this thread's) fits inside its wall-clock interval
+    assert len(cpu) == len(log) and all(0 <= c <= end - start + 1e-3 for c, (*_, start, end) in zip(cpu, log))
     return [a[:3] for a in log], [q.grad for c in chunks for q in c.parameters()], events
 
 

@@ -12,8 +12,9 @@ gives rank ``r`` the stages ``r, r + p, r + 2p, ...``; DualPipeV and ZBV (``layo
 it stages ``r`` and ``2p - 1 - r``.
 
 :func:`simulate` checks a table (each action once, F before B before W on a rank, no
-deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each) and returns
-each rank's timeline and its peak of activations held. :func:`run_schedule` runs the same table
+deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each, or the
+times measured, with a message's latency) and returns each rank's timeline and its peak of
+activations held. :func:`run_schedule` runs the same table
 on real ranks (gloo ``isend``/``irecv``). The notebook derives :func:`interleaved_1f1b` and
 :func:`zb_h1`; a test asserts that its cells and this file hold the same code.
 """
@@ -183,10 +184,11 @@ def check_table(table, p, m, v):
             done.add((op, i, c))
 
 
-def simulate(table, p, m, v, layout="loop", cost=None):
+def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0):
     """Check ``table`` and play it in logical time: an action starts when its rank is free and
-    its input has arrived (sends take no time). ``cost``: time of F, B, W for one chunk (a whole
-    backward, when there are no W rows, costs B + W). Raises :class:`Deadlock` if it cannot run."""
+    its input has arrived. ``cost``: time of F, B, W for one chunk (a whole backward, when there
+    are no W rows, costs B + W); ``latency``: time a message takes from one rank to another (0:
+    sends take no time). Raises :class:`Deadlock` if it cannot run."""
     check_table(table, p, m, v)
     cost = cost or {"F": 1 / v, "B": 1 / v, "W": 1 / v}
     split = any(Op(*row).op == "W" for row in table)
@@ -207,7 +209,7 @@ def simulate(table, p, m, v, layout="loop", cost=None):
                      "W": [("B", i, k)]}[op]
             if any(need not in done for need in needs):
                 continue
-            start = max([free[r]] + [done[need] for need in needs])
+            start = max([free[r]] + [done[need] + (latency if where[need[2]][0] != r else 0) for need in needs])
             free[r] = start + cost[op] + (cost["W"] if op == "B" and not split else 0)
             done[(op, i, k)] = free[r]
             logs[r].append((op, i, c, start, free[r]))
@@ -295,7 +297,7 @@ def _tag(op, mb, stage, n):
     return (mb * n + stage) * 2 + (op != "F")
 
 
-def run_schedule(chunks, order, inputs, targets, layout="loop"):
+def run_schedule(chunks, order, inputs, targets, layout="loop", cpu=None):
     """Run this rank's ``order`` (``[(op, mb, chunk), ...]``) with its ``chunks`` (one Sequential
     per chunk); activations and input gradients go to the rank holding the next (previous) stage
     by ``isend``, tagged so that none is taken for another. Every receive is posted (``irecv``)
@@ -305,7 +307,9 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
     width). A B without W rows is the whole backward. With them, B is ``autograd.grad`` with
     ``inputs=`` the input of every block of the chunk (the stage's input is what the previous
     stage waits for) and W, later, each block's weight gradient from the gradient at its output.
-    Returns the log ``[(op, mb, chunk, start, end), ...]``; weight gradients end in ``.grad``."""
+    Returns the log ``[(op, mb, chunk, start, end), ...]``; weight gradients end in ``.grad``.
+    ``cpu``, a list if given, gets each action's CPU seconds on this thread (``time.thread_time``:
+    unlike the wall clock, it does not count time the rank was descheduled)."""
     rank, p = dist.get_rank(), dist.get_world_size()
     v, m = len(chunks), len(inputs)
     n = p * v
@@ -339,20 +343,20 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
         k = stage_of(rank, c, p, layout)
         if op == "F":
             x = inputs[i] if k == 0 else receive("F", i, k).requires_grad_()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             outs = [x]  # the input of each block, then the chunk's output
             for block in chunks[c]:
                 outs.append(block(outs[-1]))
             # the last stage ends in the loss, weighted: the m losses add up to the batch mean
             root = nn.functional.mse_loss(outs[-1], targets[i]) / m if k == n - 1 else outs[-1]
             saved[(i, c)] = (outs, root)
-            stop = time.perf_counter()  # before the send: the receiver may start at once
+            stop, cpu_stop = time.perf_counter(), time.thread_time()  # before the send: the receiver may start at once
             if k < n - 1:
                 send(root.detach(), "F", i, k + 1)
         elif op == "B":
             outs, root = saved[(i, c)]
             g = None if k == n - 1 else receive("B", i, k)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             if not split:
                 root.backward(g)
                 saved.pop((i, c))
@@ -362,18 +366,20 @@ def run_schedule(chunks, order, inputs, targets, layout="loop"):
                 at = torch.autograd.grad(root, wanted, g, retain_graph=True)
                 saved[(i, c)] = (outs, dict(zip(range(len(outs) - len(wanted), len(outs)), at)))
                 gx = saved[(i, c)][1].get(0)
-            stop = time.perf_counter()
+            stop, cpu_stop = time.perf_counter(), time.thread_time()
             if k > 0:
                 send(gx, "B", i, k - 1)
         else:  # W: each block's weight gradient, from the gradient at its output
             outs, at = saved.pop((i, c))
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             for j, block in enumerate(chunks[c]):
                 params = list(block.parameters())
                 for param, gw in zip(params, torch.autograd.grad(outs[j + 1], params, at[j + 1])):
                     param.grad = gw if param.grad is None else param.grad + gw
-            stop = time.perf_counter()
+            stop, cpu_stop = time.perf_counter(), time.thread_time()
         log.append((op, i, c, start, stop))
+        if cpu is not None:
+            cpu.append(cpu_stop - cpu_start)
     for work in sends:
         work.wait()
     return log
