@@ -1,6 +1,7 @@
 """Notebook 11's checks reject plausible wrong answers with a useful hint."""
 
 import copy
+import functools
 from dataclasses import replace
 
 import pytest
@@ -192,6 +193,23 @@ def _crashes(model, shard, optimizer):
     raise KeyError("oops")
 
 
+def _list_collectives(model, shard, optimizer, scatter_a_list=False):
+    """Right, with dist.all_gather on a list: the same bytes as all_gather_into_tensor on gloo. With
+    ``scatter_a_list``, dist.reduce_scatter on a list too: right values, but more bytes on gloo."""
+    world_size = dist.get_world_size()
+    grads = flat_padded([p.grad for p in _trainable(model)], world_size)
+    mine = torch.empty_like(shard)
+    if scatter_a_list:
+        dist.reduce_scatter(mine, list(grads.chunk(world_size)))
+    else:
+        dist.reduce_scatter_tensor(mine, grads)
+    shard.grad = mine / world_size
+    optimizer.step()
+    slices = [torch.empty_like(shard) for _ in range(world_size)]
+    dist.all_gather(slices, shard.detach())
+    _copy_back(model, torch.cat(slices))
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -209,6 +227,7 @@ def _crashes(model, shard, optimizer):
         (_scatters_for_show_and_all_reduces_on_a_subgroup, "more on the wire than a reduce-scatter and an all-gather"),
         (_broadcasts_the_gradient_too, "also called broadcast"),
         (_flattens_every_parameter, "shard.grad is not this rank's slice"),
+        (functools.partial(_list_collectives, scatter_a_list=True), "gloo sends more bytes for it"),
     ],
 )
 def test_zero1_step_rejects_wrong_answers(answer, hint):
@@ -218,6 +237,12 @@ def test_zero1_step_rejects_wrong_answers(answer, hint):
 
 def test_zero1_step_accepts_a_step_that_zeroes_the_gradient_afterwards():
     assert nb11.zero1_step(_zero_grad_after_the_step).status == "correct"
+
+
+def test_zero1_step_accepts_the_list_form_of_the_all_gather():
+    """dist.all_gather on a list does the same step with the same bytes: not 'bytes a ZeRO-1 step does not need'."""
+    feedback = nb11.zero1_step(_list_collectives, world_sizes=(3,))  # padding, no single partner
+    assert feedback.status == "correct", feedback
 
 
 def test_zero1_step_without_wire_judges_by_process_groups_and_says_so(monkeypatch):
@@ -286,7 +311,7 @@ def _gather_and_sum(grad, world_size):
 
 
 def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_all_for_backward=False, reduce=None,
-           only_if_freed=True):
+           only_if_freed=True, root=True):
     shards = shard_parameters(model)
     for p in shards:
         free_parameter(p)
@@ -295,7 +320,8 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_
     else:
         reduce(shards)
     in_units = {p for unit in units for p in unit.parameters()}
-    for unit, params in [(u, list(u.parameters())) for u in units] + [(model, [p for p in model.parameters() if p not in in_units])]:
+    root_part = [(model, [p for p in model.parameters() if p not in in_units])] if root else []
+    for unit, params in [(u, list(u.parameters())) for u in units] + root_part:
         own = [p for p in params if p in shards]
 
         def gather(*_, own=own):
@@ -320,6 +346,11 @@ def _hooks(model, units, before_backward=True, free_after_gradient=True, gather_
 
         model.register_forward_hook(lambda m, a, output: output.register_hook(gather_all) and None)
     return shards
+
+
+def _forgets_the_root(model, units):
+    """No hooks on the model itself: the parameters of no unit stay freed when its forward uses them."""
+    return _hooks(model, units, root=False)
 
 
 def _gathers_the_tied_weight_twice(model, units):
@@ -449,6 +480,7 @@ def test_fully_shard_by_hand_accepts_an_answer_built_from_the_parts():
         (_keeps_whole_gradients_until_backward_ends, "whole gradients of units it had passed were still held"),
         (_stashes_whole_gradients_until_backward_ends, "not reduce-scattered into their shards yet"),
         (_gathers_the_tied_weight_twice, "the model with a tied weight: your ranks all-gathered"),
+        (_forgets_the_root, "parameters of no unit still freed: gather them in a forward pre-hook on the model"),
         (fully_shard_by_hand, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         (_calls_the_course_version, "the course's own course.parallel.fsdp.fully_shard_by_hand"),
         pytest.param(_fsdp2, "that is PyTorch's FSDP2", marks=pytest.mark.skipif(

@@ -222,8 +222,13 @@ def _judge_zero1(fn, world_size, measurable):
         return wrong("your ranks never reduce-scattered the whole gradient on the default process group (the traced "
                      "group saw no reduce_scatter_tensor of it): call dist.reduce_scatter_tensor, on the default group "
                      "(a group of dist.new_group hides its collectives from the default group, not from this check).")
-    others = sorted(set().union(*(r["ops"] for r in results)) - {"reduce_scatter_tensor", "all_gather_into_tensor",
-                                                                  "barrier"})
+    ops = set().union(*(r["ops"] for r in results))
+    if "reduce_scatter" in ops:
+        return wrong("dist.reduce_scatter on a list of slices gives the right slice, but gloo sends more bytes for it "
+                     "than for reduce_scatter_tensor on the flat gradient (measured on 3 ranks, 54 values: 3,744 B "
+                     "against 1,440 B). Use reduce_scatter_tensor.")
+    # the all-gather in either form: on a flat tensor, or dist.all_gather on a list (the same bytes on gloo)
+    others = sorted(ops - {"reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "barrier"})
     if others:
         return wrong(f"your step also called {', '.join(others)} (traced on the default group): bytes a ZeRO-1 "
                      "step does not need. One reduce_scatter_tensor and one all_gather_into_tensor do it.")
@@ -320,6 +325,13 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None, measurable=True):
 
         u.register_forward_pre_hook(look)
         u.register_forward_hook(look_in_backward)
+
+    def root_whole(module, args, rest=[trainable[i] for i in sorted(rest)]):  # after the answer's own pre-hooks
+        if any(p.untyped_storage().nbytes() == 0 for p in rest):
+            raise RuntimeError("the model's forward began with parameters of no unit still freed: gather them in "
+                               "a forward pre-hook on the model itself (the root), as for each unit")
+
+    model.register_forward_pre_hook(root_whole)
     optimizer = torch.optim.Adam(shards.values(), lr=0.1)
     data = []
     for step in range(steps):

@@ -461,9 +461,14 @@ def bytes_sent(predict):
             payload = (int(counts[rank].sum()) - int(counts[rank, rank])) * dim * 4
             if payload <= guess <= min(measured[rank], payload + HEADER_SLACK * (world_size - 1)):
                 continue  # the tokens' bytes, plus at most gloo's headers
-            if guess == payload + int(counts[rank, rank]) * dim * 4:
+            with_own = guess == payload + int(counts[rank, rank]) * dim * 4
+            received = guess == (int(counts[:, rank].sum()) - int(counts[rank, rank])) * dim * 4
+            if with_own and received:  # these random counts make the two mistakes the same number
+                return wrong("that is what the rank receives (its column of send_counts), and also its row with its own "
+                             "chunk: it sends its row, and a rank's own chunk is copied in memory (measured).")
+            if with_own:
                 return wrong("a rank's own chunk is copied in memory: the wire never sees it (measured).")
-            if guess == (int(counts[:, rank].sum()) - int(counts[rank, rank])) * dim * 4:
+            if received:
                 return wrong("that is what the rank receives (its column of send_counts); it sends its row.")
             if guess * 4 == payload:
                 return wrong("count bytes: a float32 value is 4 bytes.")

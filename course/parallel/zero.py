@@ -88,6 +88,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     whole tensors: :meth:`step` is :func:`zero1_step` for each param group (reduce-scatter, the inner
     optimizer's step on this rank's slice, all-gather). Frozen parameters stay out of the slices; a
     parameter listed twice (tied weights) counts once. Every trainable parameter needs a gradient.
+    Like it, it broadcasts nothing when built: start every rank from the same weights (under
+    ``ZeroRedundancyOptimizer`` DDP's constructor broadcasts rank 0's; here, seed alike or broadcast them).
 
     ``param_groups`` are the whole groups, as in any optimizer: an LR scheduler changes their options, and
     each step hands them to the inner optimizers. :meth:`consolidate_state_dict` (on every rank) gathers the
