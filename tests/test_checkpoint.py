@@ -342,17 +342,24 @@ def test_ddp_job_crashed_and_resumed_equals_the_uninterrupted_run(tmp_path, unin
     assert state["step"] == saved_at and state["world_size"] == 2
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # per-rank generators
 
-    resumed = launch(_train, 2, str(tmp_path / "after.pt"), path, show=None)
+    # One launch resumes three times: as saved; without the saved randomness; with the wrong sampler epoch.
+    resumed, no_rng, wrong_epoch = zip(*launch(_resume_three_ways, 2, str(tmp_path), path, show=None))
     assert _equal(uninterrupted[0], uninterrupted[1])
     for rank in range(2):
         assert _equal(resumed[rank], uninterrupted[0])  # bit for bit
         assert torch.equal(resumed[rank]["rng"], uninterrupted[rank]["rng"])
 
     # The job really depends on the saved randomness and sampler epoch: without them it differs.
-    no_rng = launch(_train, 2, str(tmp_path / "x.pt"), path, None, False, show=None)
     assert not _equal(no_rng[0], uninterrupted[0])
-    wrong_epoch = launch(_train, 2, str(tmp_path / "y.pt"), path, None, True, -1, show=None)
     assert not _equal(wrong_epoch[0], uninterrupted[0])
+
+
+def _resume_three_ways(rank, world_size, folder, path):
+    """_train resumed from ``path`` as saved, without its randomness, and one epoch off; each run seeds
+    and restores all it uses itself, so running them one after the other changes none of them."""
+    return (_train(rank, world_size, os.path.join(folder, "after.pt"), path),
+            _train(rank, world_size, os.path.join(folder, "x.pt"), path, None, False),
+            _train(rank, world_size, os.path.join(folder, "y.pt"), path, None, True, -1))
 
 
 def _capture(rank, world_size):

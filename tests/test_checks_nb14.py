@@ -6,7 +6,10 @@ import torch.distributed as dist
 
 from course.parallel import context_parallel as cp
 from course.checks import nb14
+from course.classroom.notebooks import solution_paths
 from course.parallel.context_parallel import attend, merge, start_pass
+
+SOLUTION, = solution_paths(["14_context_parallel"])
 
 # The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
@@ -304,7 +307,11 @@ def _own_chunk_only(q, k, v, layout, causal=False):
     return attend(q, k, v, layout[rank], layout[rank], causal)
 
 
-def test_ring_forward_accepts_the_course_ring():
+# The notebook's Exercise 2 answer is this very code (tests/test_context_parallel.py: the notebook derives it), and
+# its check cell's stored verdict is compared by nbval.
+@pytest.mark.repeats_solution_notebook
+@pytest.mark.parametrize("path", [SOLUTION], ids=lambda p: p.stem)
+def test_ring_forward_accepts_the_course_ring(path):
     assert nb14.ring_forward(cp.ring_forward).status == "correct"
 
 
@@ -385,7 +392,13 @@ def test_zigzag_layout_rejects_wrong_answers(answer, hint):
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_zigzag_layout_accepts_the_course_layout_and_lists():
+# The notebook's Exercise 3 answer is this very code (tests/test_context_parallel.py), its verdict compared by nbval.
+@pytest.mark.repeats_solution_notebook
+@pytest.mark.parametrize("path", [SOLUTION], ids=lambda p: p.stem)
+def test_zigzag_layout_accepts_the_course_layout(path):
     assert nb14.zigzag_layout(cp.zigzag_layout).status == "correct"
+
+
+def test_zigzag_layout_accepts_lists():
     as_lists = lambda s, n: [p.tolist() for p in cp.zigzag_layout(s, n)]  # noqa: E731
     assert nb14.zigzag_layout(as_lists).status == "correct"

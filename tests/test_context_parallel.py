@@ -74,8 +74,9 @@ def _flops(rank, world_size, layout_name, seq_len):
 
 
 def test_the_zigzag_layout_balances_causal_work_and_the_contiguous_one_does_not():
-    contiguous = launch(_flops, 4, "contiguous", 32, show=None)
-    zigzag = launch(_flops, 4, "zigzag", 32, show=None)
+    both = launch(lambda rank, world_size: [_flops(rank, world_size, name, 32) for name in ("contiguous", "zigzag")],
+                  4, show=None)  # one launch, both layouts
+    contiguous, zigzag = ([per_rank[i] for per_rank in both] for i in range(2))
     assert contiguous == sorted(contiguous) and contiguous[-1] > 3 * contiguous[0]  # rank 3 works most
     assert len(set(zigzag)) == 1  # every rank: the same flops
     assert sum(zigzag) == sum(contiguous)  # the same work, redistributed
@@ -110,8 +111,8 @@ def _saved_bytes(rank, world_size, seq_len):
 
 
 def test_backward_keeps_only_this_ranks_tokens():
-    one = launch(_saved_bytes, 2, 32, show=None)
-    twice = launch(_saved_bytes, 2, 64, show=None)
+    both = launch(lambda rank, world_size: [_saved_bytes(rank, world_size, n) for n in (32, 64)], 2, show=None)
+    one, twice = ([per_rank[i] for per_rank in both] for i in range(2))
     per_token = 8 * (4 * 8 + 1)  # float64 q, k, v, out (dim 8 each) and lse
     assert one == [16 * per_token] * 2 and twice == [32 * per_token] * 2  # linear in tokens, no score matrix
 

@@ -246,17 +246,28 @@ def _drop_in(rank, world_size, kind, feature):
     return states
 
 
+DROP_IN_KINDS = ["AllReduceAfterBackward", "OverlapPerParameter", "BucketedDataParallel"]
+DROP_IN_FEATURES = ["frozen", "tied", "buffers"]
+
+
+def _every_drop_in(rank, world_size):
+    """_drop_in for DDP and each kind, on each feature, one after the other in the same ranks (each a new model)."""
+    return {(kind, feature): _drop_in(rank, world_size, kind, feature)
+            for feature in DROP_IN_FEATURES for kind in ["ddp"] + DROP_IN_KINDS}
+
+
 @functools.cache
-def _ddp_drop_in(feature):
-    """What DDP's ranks hold after each step of _drop_in: the reference of every kind (launched once per feature)."""
-    return launch(_drop_in, 2, "ddp", feature, show=None, timeout=120)
+def _drop_ins():
+    """What the ranks hold after each step of _drop_in, for DDP (the reference) and every kind: one launch."""
+    per_rank = launch(_every_drop_in, 2, show=None, timeout=120)
+    return {key: [states[key] for states in per_rank] for key in per_rank[0]}
 
 
-@pytest.mark.parametrize("feature", ["frozen", "tied", "buffers"])
-@pytest.mark.parametrize("kind", ["AllReduceAfterBackward", "OverlapPerParameter", "BucketedDataParallel"])
+@pytest.mark.parametrize("feature", DROP_IN_FEATURES)
+@pytest.mark.parametrize("kind", DROP_IN_KINDS)
 def test_each_from_scratch_dp_is_a_drop_in_for_ddp_on_ranks_initialised_differently(kind, feature):
-    reference = _ddp_drop_in(feature)
-    ours = launch(_drop_in, 2, kind, feature, show=None, timeout=120)
+    reference = _drop_ins()[("ddp", feature)]
+    ours = _drop_ins()[(kind, feature)]
     for rank in range(2):  # every parameter and buffer of every rank after every step, bit for bit (2 ranks: see above)
         for step in range(3):
             assert all(torch.equal(a, b) for a, b in zip(ours[rank][step], reference[rank][step])), (rank, step)

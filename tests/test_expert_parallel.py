@@ -5,6 +5,7 @@ with sync_gradients trains like one process, and averaging expert gradients over
 does not; notebook 15 derives the package's code."""
 
 import copy
+import functools
 import inspect
 
 import pytest
@@ -92,10 +93,29 @@ CASES = {  # (world size, experts, k, capacity factor, skew, tokens per rank, po
 }
 
 
+def _every_case_of_this_size(rank, world_size):
+    """_compare for each case of CASES on world_size ranks, one after the other in the same ranks."""
+    results = {}
+    for case, (size, *args) in CASES.items():
+        if size == world_size:
+            try:
+                results[case] = _compare(rank, world_size, *args)
+            except AssertionError as e:  # the whole launch fails: say which case did
+                raise AssertionError(f"{case}: {e}") from e
+    return results
+
+
+@functools.cache
+def _cases_on(world_size):
+    """Every case of CASES on world_size ranks: one launch for all of them."""
+    per_rank = launch(_every_case_of_this_size, world_size, show=None, timeout=120)
+    return {case: [results[case] for results in per_rank] for case in per_rank[0]}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_expert_parallel_equals_the_single_process_layer(case):
-    world_size, *args = CASES[case]
-    results = launch(_compare, world_size, *args, show=None, timeout=120)
+    world_size = CASES[case][0]
+    results = _cases_on(world_size)[case]
     if CASES[case][3] is not None:
         assert sum(r["dropped"] for r in results) > 0, "the case is meant to drop tokens"
 

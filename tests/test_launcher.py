@@ -189,7 +189,9 @@ def test_an_exception_on_one_rank_raises_worker_error_naming_it_quickly(start_me
     assert not isinstance(err, WorkerTimeoutError)
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+# spawn: the ranks are fresh interpreters that import torch (~10 s), in .ci/run's slow part; forkserver
+# ranks get fn and its cell's lines the same way (by value), here.
+@pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_a_traceback_from_a_rank_shows_the_notebook_cell_line_that_failed(start_method):
     # A function typed in a notebook cell: its file does not exist, only Jupyter's linecache knows
     # its lines. cloudpickle alone names every file "<dynamic-code>" (no line shown).
@@ -453,7 +455,8 @@ def test_functions_defined_in_main_work_with_every_start_method(launched_from_a_
         assert [r[0] for r in launched_from_a_script[start_method]] == [102, 103], start_method
 
 
-@pytest.mark.parametrize("start_method", ["fork", pytest.param("forkserver", marks=pytest.mark.slow)])  # slow: .ci/run's slow part
+@pytest.mark.slow  # a script of its own plays the kernel (an interpreter importing torch): in .ci/run's slow part
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_workers_die_with_the_kernel(tmp_path, start_method):
     """The stop button (SIGINT: the kernel lives on, and runs the cell again), then the kernel
     killed (SIGKILL): no orphans either time, and no forkserver. One script plays the kernel."""
@@ -738,6 +741,7 @@ def test_a_backend_registered_with_register_backend_can_be_launched(registered_b
     assert results == [(registered_backend_name, 3.0)] * 2
 
 
+@pytest.mark.slow  # launched_from_a_script
 def test_spawned_and_forkserver_ranks_register_the_backend_again_before_init(launched_from_a_script):
     # The script registered "scriptgloo" in its __main__: spawned ranks get the creator by value,
     # and so do a forkserver's (the server started before the registration, and never runs it).

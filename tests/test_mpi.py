@@ -105,6 +105,7 @@ def _fails_on_rank_1(rank, world_size):
     return rank
 
 
+@pytest.mark.slow  # mpirun starts interpreters of its own, each importing torch: in .ci/run's slow part
 def test_a_failing_rank_under_mpirun_raises_worker_error_naming_it(mpirun):
     """One mpirun job (mostly start-up: each rank imports torch). Rank 0 also checks that it runs gloo
     with one thread, as the rank mpirun announced; rank 1 fails. (Notebook 05 runs a job that succeeds:

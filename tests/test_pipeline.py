@@ -2,6 +2,7 @@
 torch.distributed.pipelining runs the same schedules with the same gradients, and the bubble
 falls as the number of micro-batches grows."""
 
+import functools
 import inspect
 
 import nbformat
@@ -66,13 +67,26 @@ def test_the_notebook_derives_the_package_code():
         )
 
 
-@pytest.mark.parametrize(
-    "schedule, p, m",
-    [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 2, 4), ("1f1b", 4, 8), ("1f1b", 4, 2)],
-)
+SCHEDULES = [("gpipe", 2, 1), ("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 2, 4), ("1f1b", 4, 8), ("1f1b", 4, 2)]
+
+
+def _every_schedule(rank, world_size):
+    """_hand_written for each schedule of SCHEDULES on world_size stages, one after the other in the same ranks."""
+    return {(schedule, m): _hand_written(rank, world_size, _orders(schedule, world_size, m))
+            for schedule, p, m in SCHEDULES if p == world_size}
+
+
+@functools.cache
+def _schedules_on(p):
+    """Every schedule of SCHEDULES on p stages: one launch for all of them."""
+    per_rank = launch(_every_schedule, p, show=None, timeout=60)
+    return {key: [results[key] for results in per_rank] for key in per_rank[0]}
+
+
+@pytest.mark.parametrize("schedule, p, m", SCHEDULES)
 def test_hand_written_schedules_give_one_process_gradients(schedule, p, m):
     orders = _orders(schedule, p, m)
-    results = launch(_hand_written, p, orders, show=None, timeout=60)
+    results = _schedules_on(p)[(schedule, m)]
     assert _close(_all_grads(results), _reference())
     assert [[(k, i) for k, i, _, _ in r["log"]] for r in results] == orders  # ran in the order given
     expected_peaks = [m] * p if schedule == "gpipe" else [min(p - s, m) for s in range(p)]

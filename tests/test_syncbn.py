@@ -2,6 +2,7 @@
 batch (forward, input/weight/bias gradients, running statistics, eval), with uneven and empty
 ranks; `convert`; and DDP training that matches single-process large-batch training."""
 
+import functools
 import re
 
 import pytest
@@ -84,10 +85,22 @@ def _cat(tensors):
     return torch.cat(tensors)
 
 
+def _every_case_of_this_size(rank, world_size):
+    """_rank_job for each case of CASES on world_size ranks, one after the other in the same ranks."""
+    return {name: _rank_job(rank, world_size, case) for name, case in CASES.items() if len(case[0]) == world_size}
+
+
+@functools.cache
+def _cases_on(world_size):
+    """Every case of CASES on world_size ranks: one launch for all of them."""
+    per_rank = launch(_every_case_of_this_size, world_size, show=None, timeout=60)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_n_ranks_equal_one_batchnorm_on_the_concatenated_batch(name):
     case = CASES[name]
-    ranks = launch(_rank_job, len(case[0]), case, show=None, timeout=60)
+    ranks = _cases_on(len(case[0]))[name]
     ref = _steps(_plain_bn(case), case, slice(None))
     tol = TIGHT[case[2]]
     for step in range(STEPS):

@@ -3,6 +3,7 @@ checkpoints (notebook 11), on gloo/CPU."""
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 
@@ -133,7 +134,7 @@ def _zero1_and_ddp(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hand_written_zero1_equals_ddp_with_adam(world_size):
-    results = launch(_zero1_and_ddp, world_size, show=None, timeout=120)
+    results = _zero1_runs(world_size)["adam"]
     P = 3340
     start = torch.nn.utils.parameters_to_vector(_model().parameters()).detach()
     for mine, ddp, used in results:
@@ -164,11 +165,22 @@ def _zero1_with_a_frozen_parameter(rank, world_size):
     return shard.numel(), model[0].bias.detach().clone(), flat(model.parameters()).detach(), flat(ddp.parameters()).detach()
 
 
+def _both_zero1_runs(rank, world_size):
+    return {"adam": _zero1_and_ddp(rank, world_size), "frozen": _zero1_with_a_frozen_parameter(rank, world_size)}
+
+
+@functools.cache
+def _zero1_runs(world_size):
+    """The two ZeRO-1 runs above on world_size ranks, one after the other in one launch: {name: per-rank results}."""
+    per_rank = launch(_both_zero1_runs, world_size, show=None, timeout=120)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero1_leaves_frozen_parameters_out_of_the_shard(world_size):
     """A frozen parameter has no gradient (the step crashed on it) and must not be handed to the optimizer
     even with a zero gradient: AdamW's weight decay would move it (2.0 -> 1.98 in one step, below)."""
-    for shard_numel, frozen, mine, ddp in launch(_zero1_with_a_frozen_parameter, world_size, show=None, timeout=120):
+    for shard_numel, frozen, mine, ddp in _zero1_runs(world_size)["frozen"]:
         assert shard_numel == math.ceil(48 / world_size)  # the 48 trainable values only
         assert torch.equal(frozen, torch.full((5,), 2.0))  # untouched by weight decay
         assert torch.allclose(mine, ddp, atol=1e-6)  # and the rest trained as DDP + AdamW
