@@ -245,6 +245,15 @@ def test_validation_against_published_runs():
     assert all(1.10 * r["estimate"] < r["published"] for run, r in rows.items() if "(T4)" in run or "(T5)" in run)
 
 
+def test_memory_is_remembered_but_each_caller_gets_its_own_dict():
+    config = Config(dp=8, zero=3)
+    first = planner.memory(LLAMA3_8B, config, 8192, 16)
+    first["activations"] = 0  # a caller's change stays in its copy
+    again = planner.memory(LLAMA3_8B, config, 8192, 16)
+    assert again["activations"] > 0 and again is not first
+    assert again == planner.memory(LLAMA3_8B, config, 8192, 16, stage=0)  # one stage: it is the fullest
+
+
 def test_the_recorded_h100_coefficients_are_the_benchmarks_json():
     # planner.H100_COEFFICIENTS is benchmarks/results/gpu_memory_h100.json's "gpu" column, copied into the
     # package so that notebook 17 can compare its trace with it anywhere (Colab has no benchmarks/)

@@ -591,11 +591,20 @@ def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None
            activation_scale: float = 1.0) -> dict:
     """Bytes per GPU of pipeline stage ``stage`` (None: the fullest): {"parameters", "gradients",
     "optimizer", "activations"}."""
+    return dict(_memory(model, config, seq, global_batch, stage, kernels, activation_scale))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _memory(model: Model, config: Config, seq: int, global_batch: int, stage, kernels: str,
+            activation_scale: float) -> tuple:
+    """:func:`memory`'s figures as (name, bytes) pairs, remembered: a search asks for the same ones many times
+    (every setting of a sensitivity sweep that leaves the memory alone)."""
     c = config
     if stage is None:  # the fullest is an end stage or the first full-length one
         stages = sorted({0, min(1, c.pp - 1), c.pp - 1})
-        return max((memory(model, c, seq, global_batch, s, kernels, activation_scale) for s in stages),
-                   key=lambda used: sum(used.values()))
+        fullest = max((memory(model, c, seq, global_batch, s, kernels, activation_scale) for s in stages),
+                      key=lambda used: sum(used.values()))
+        return tuple(fullest.items())
     params = stage_params(model, c.tp, c.pp, stage)
     m = micro_batches(c, global_batch)
     b, h = c.micro_batch, model.hidden
@@ -618,12 +627,12 @@ def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None
         if stage == c.pp - 1:  # the output layer's (and final norm's) bf16 gradient, whole until backward ends
             gradients += 2 * (model.vocab * model.hidden / (c.tp if model.vocab_parallel else 1)
                               + (model.hidden if model.norms else 0)) * (1 - 1 / shards)
-    return {
+    return tuple({
         "parameters": parameters,
         "gradients": gradients,
         "optimizer": 12 * params / (shards if c.zero >= 1 else 1),
         "activations": activations,
-    }
+    }.items())
 
 
 # Bytes per logit (of this GPU's shard) at the loss's peak, in backward: :func:`loss_peak_bytes` measures them
