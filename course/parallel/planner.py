@@ -71,6 +71,8 @@ Left out, among much else: hybrid sharding (HSDP), overlapped TP communication, 
 parallelism, Float8, torch.compile's fusions, stragglers, the real MFU of each shape, the
 gradients of activations that backward makes and frees layer by layer, and, under ZeRO-0/1/2, the
 unsharded gradients and reduce-scatter buffers FSDP holds in backward (counted for ZeRO-3 only).
+:func:`torchtitan_terms` estimates three terms torchtitan's runs add (the loss's own peak, the output
+layer's input, FSDP2's unsharded fp32 gradients under a pipeline), outside the model.
 
 The numbers for a GPU (:class:`Cluster`) are parameters: the defaults are an H100 SXM node
 (989 TFLOP/s bf16 dense, 80 GB, NVLink ~450 GB/s per direction, 8 per node) on a 400 Gb/s
@@ -80,6 +82,7 @@ are assumptions of the order NCCL's own tuning model uses, not measurements.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass
@@ -309,8 +312,8 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
       in bf16 is a composite that saves fp32 copies of its input: all of the difference (without
       norms both give 37.50). It is the model's code and torch's dispatch, not the device: a
       hand-written RMSNorm that casts to fp32 keeps fp32 copies on CUDA too (``fp32_norm``).
-    * ``"gpu"``: the ``"cuda"`` block really run on this machine's CUDA GPU (benchmarks/gpu_memory.py
-      compares the two on an H100).
+    * ``"gpu"``: the ``"cuda"`` block really run on this machine's CUDA GPU
+      (benchmarks/gpu_memory.py compares the two on an H100).
 
     ``recompute="none"``: ``saved_tensors_hooks`` see every tensor autograd keeps (each storage
     once, weights left out). ``"selective"`` / ``"full"``: the block runs under
@@ -328,7 +331,8 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         raise ValueError(f"kernels is 'cuda', 'cpu' or 'gpu', recompute one of {RECOMPUTE}: "
                          f"not {kernels!r}, {recompute!r}")
     if kernels == "gpu" and not torch.cuda.is_available():
-        raise ValueError("kernels='gpu' runs the block on this machine's CUDA GPU, and it has none: "
+        raise ValueError("kernels='gpu' runs the block on this machine's CUDA GPU, "
+                         "and it has none: "
                          "use kernels='cuda' (CUDA's formulas traced without a GPU)")
     if kernels == "cpu" and recompute != "none":
         raise ValueError("recomputation is measured on the cuda kernels only")
@@ -340,7 +344,8 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         fake = FakeTensorMode()
         fake.__enter__()
     try:
-        block, modules, x = block_of(model, seq, head_dim, "cpu" if kernels == "cpu" else "cuda", repeat_kv, fp32_norm)
+        device = "cpu" if kernels == "cpu" else "cuda"
+        block, modules, x = block_of(model, seq, head_dim, device, repeat_kv, fp32_norm)
         width = seq * model.heads * head_dim
         if recompute == "none":
             saved, _ = saved_activation_bytes(block, modules, x)  # the input: kept by norm 1
@@ -357,6 +362,37 @@ def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str =
         if fake is not None:
             fake.__exit__(None, None, None)
 
+
+
+# Recorded, not re-measured in CI: the bytes per token per hidden feature a bf16 block of each shape kept for
+# backward when it really ran on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, 2026-11-27, 2,048 tokens):
+# benchmarks/gpu_memory.py's "gpu" column in benchmarks/results/gpu_memory_h100.json (tests/test_planner.py
+# checks the two agree). Blocks: "GQA" (activation_coefficient's defaults), "K/V repeated" (repeat_kv),
+# "fp32 RMSNorm" (fp32_norm), "selective" and "full" (recompute).
+H100_COEFFICIENTS = {
+    ("Llama-3 8B", "GQA"): 41.0332,
+    ("Llama-3 8B", "K/V repeated"): 44.0332,
+    ("Llama-3 8B", "fp32 RMSNorm"): 49.0332,
+    ("Llama-3 8B", "selective"): 15.5313,
+    ("Llama-3 8B", "full"): 2.0000,
+    ("Llama-3 70B", "GQA"): 40.5322,
+    ("Llama-3 70B", "K/V repeated"): 44.0322,
+    ("Llama-3 70B", "fp32 RMSNorm"): 48.5322,
+    ("Llama-3 70B", "selective"): 15.2813,
+    ("Llama-3 70B", "full"): 2.0000,
+    ("Llama-3 405B", "GQA"): 38.2817,
+    ("Llama-3 405B", "K/V repeated"): 42.0317,
+    ("Llama-3 405B", "fp32 RMSNorm"): 46.2817,
+    ("Llama-3 405B", "selective"): 14.6563,
+    ("Llama-3 405B", "full"): 2.0000,
+}
+# Recorded the same way (benchmarks/gpu_memory.py, results in the same JSON): peak reserved / peak allocated bytes
+# of a training step (forward, backward, AdamW) of 4 blocks of 8B's shape x 8,192 tokens and 8 blocks x 4,096,
+# with the default caching allocator and with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+H100_RESERVED_OVER_ALLOCATED = {"default": (1.0953, 1.0323), "expandable_segments:True": (1.0140, 1.0013)}
+# activation_coefficient's arguments for each block above
+BLOCKS = {"GQA": {}, "K/V repeated": {"repeat_kv": True}, "fp32 RMSNorm": {"fp32_norm": True},
+          "selective": {"recompute": "selective"}, "full": {"recompute": "full"}}
 
 
 def fsdp_peak_buffers(seq: int, vocab: int = 8, reduce: str = "fp32", backward: bool = True, world: int = 4,
@@ -426,6 +462,98 @@ def fsdp_peak_buffers(seq: int, vocab: int = 8, reduce: str = "fp32", backward: 
             "reduce-scatter": size["Reduce Scatter"] / layer, "temporary": size["Temp"] / layer,
             "activations": size["Activation"] / layer}
 
+def loss_peak_bytes(parallel: bool, tp: int = 2, tokens: int = 64, width: int = 1024) -> dict:
+    """Bytes per logit of this rank's shard that the loss holds, beside the output layer's input and weight,
+    measured with ``LiveBytes`` on CPU as one rank of ``tp`` on the fake process group (nothing is sent):
+    {"forward", "peak"} (the peak of forward and backward). The logits are bf16 and the loss is torchtitan's
+    ``cross_entropy(pred.float(), labels)`` with ``pred`` deleted before backward; ``parallel``: under
+    ``loss_parallel()`` (torchtitan with TP, vocabulary-sharded logits: ``width`` of ``width·tp``), whose
+    log-softmax and fused backward are Python composites (torch/distributed/tensor/parallel/loss.py), else
+    on the whole logits (``width`` wide). Makes and destroys the default process group: call it where none exists."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from course.observe.memory import LiveBytes
+
+    class Local(LiveBytes):  # sees the operations DTensor runs on its local shards, not its fake shape checks
+        def follow(self, t):
+            if not isinstance(t, (DTensor, FakeTensor)) and t.device.type != "meta":
+                super().follow(t)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs it, on local tensors this mode then sees
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    if dist.is_initialized():
+        raise RuntimeError("loss_peak_bytes makes its own fake process group: call it in a process without one")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))
+        torch.manual_seed(0)
+        vocab = width * tp if parallel else width
+        hidden = torch.randn(tokens, 64, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(64, width, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(vocab, (tokens,))
+        with Local([hidden, weight, labels]) as live:
+            before = live.now()
+            pred = hidden @ weight  # the output layer: this rank's logits
+            if parallel:
+                pred = DTensor.from_local(pred, mesh, [Shard(-1)])
+            with loss_parallel() if parallel else contextlib.nullcontext():
+                loss = F.cross_entropy(pred.float(), labels)
+                forward = live.peak
+                del pred
+                loss.backward()
+    finally:
+        dist.destroy_process_group()
+    return {"forward": (forward - before) / (tokens * width), "peak": (live.peak - before) / (tokens * width)}
+
+
+def accumulated_gradient_bytes(sync: bool, world: int = 4) -> float:
+    """Bytes per parameter that FSDP2 (bf16 weights, gradients reduced in fp32, torchtitan's policy) holds
+    in gradients after two backwards, measured with ``LiveBytes`` as one rank of ``world`` on the fake process
+    group. ``sync=False``: ``set_requires_gradient_sync(False)``, what torch.distributed.pipelining's
+    ``backward_maybe_with_nosync`` sets before every micro-batch's backward but the last: the gradients stay
+    unsharded, accumulated in fp32 (4). ``sync=True``: reduce-scattered, an fp32 shard (``4 / world``).
+    Makes and destroys the default process group: call it where none exists."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from course.observe.memory import LiveBytes
+
+    if dist.is_initialized():
+        raise RuntimeError("accumulated_gradient_bytes makes its own fake process group: call it where none exists")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+        for layer in model:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # as under PP
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        model.set_requires_gradient_sync(sync)
+        with LiveBytes(model.parameters()) as live:
+            before = live.now()
+            for _ in range(2):  # two micro-batches
+                model(torch.randn(8, 64)).sum().backward()
+            held = live.now() - before
+    finally:
+        dist.destroy_process_group()
+    return held / sum(p.numel() for p in model.parameters())
+
+
 def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """The pipeline's idle time as a fraction of its ideal compute time (a model, equal forward,
     input-gradient and weight-gradient times): ``f / (1 - f)`` of the schedules notebook's
@@ -463,11 +591,20 @@ def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None
            activation_scale: float = 1.0) -> dict:
     """Bytes per GPU of pipeline stage ``stage`` (None: the fullest): {"parameters", "gradients",
     "optimizer", "activations"}."""
+    return dict(_memory(model, config, seq, global_batch, stage, kernels, activation_scale))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _memory(model: Model, config: Config, seq: int, global_batch: int, stage, kernels: str,
+            activation_scale: float) -> tuple:
+    """:func:`memory`'s figures as (name, bytes) pairs, remembered: a search asks for the same ones many times
+    (every setting of a sensitivity sweep that leaves the memory alone)."""
     c = config
     if stage is None:  # the fullest is an end stage or the first full-length one
         stages = sorted({0, min(1, c.pp - 1), c.pp - 1})
-        return max((memory(model, c, seq, global_batch, s, kernels, activation_scale) for s in stages),
-                   key=lambda used: sum(used.values()))
+        fullest = max((memory(model, c, seq, global_batch, s, kernels, activation_scale) for s in stages),
+                      key=lambda used: sum(used.values()))
+        return tuple(fullest.items())
     params = stage_params(model, c.tp, c.pp, stage)
     m = micro_batches(c, global_batch)
     b, h = c.micro_batch, model.hidden
@@ -490,12 +627,61 @@ def memory(model: Model, config: Config, seq: int, global_batch: int, stage=None
         if stage == c.pp - 1:  # the output layer's (and final norm's) bf16 gradient, whole until backward ends
             gradients += 2 * (model.vocab * model.hidden / (c.tp if model.vocab_parallel else 1)
                               + (model.hidden if model.norms else 0)) * (1 - 1 / shards)
-    return {
+    return tuple({
         "parameters": parameters,
         "gradients": gradients,
         "optimizer": 12 * params / (shards if c.zero >= 1 else 1),
         "activations": activations,
-    }
+    }.items())
+
+
+# Bytes per logit (of this GPU's shard) at the loss's peak, in backward: :func:`loss_peak_bytes` measures them
+# (torch 2.15, tests/test_planner.py). Plain cross-entropy on the fp32 copy: its log-softmax, the gradient
+# nll_loss makes and the one log-softmax's backward makes (12). Under loss_parallel() (torchtitan with TP):
+# the log-softmax, zeros, their exp and its sum in the fused backward (16).
+LOSS_PEAK_BYTES = {"plain": 12, "loss parallel": 16}
+# FSDP2 without gradient sync keeps unsharded gradients in fp32 (:func:`accumulated_gradient_bytes`)
+ACCUMULATED_GRADIENT_BYTES = 4
+
+
+def torchtitan_terms(model: Model, config: Config, seq: int, global_batch: int, stage=None) -> dict:
+    """Estimates of what a torchtitan run (2024-12) holds at its peak and :func:`memory` leaves out, in bytes
+    per GPU of ``stage`` (None: the stage where memory plus these terms is largest), each from a measured
+    per-element cost times the model's element count, added to the model, not in it:
+
+    * "loss": on the last stage, the loss's peak (at the start of backward, before any layer is recomputed)
+      is :data:`LOSS_PEAK_BYTES` per logit (loss parallel under TP), where :func:`memory` counts
+      :data:`LOGIT_BYTES` per logit *and* the layer being recomputed, which is not alive then;
+    * "output layer's input": on the last stage, the final norm's output, which the output layer saves for
+      its weight's gradient: ``2·s·b·h`` bytes, whole (all-gathered from the sequence-parallel shards);
+    * "accumulated gradients": with a pipeline, FSDP2 (ZeRO-2 here) gets no gradient sync before the last
+      micro-batch's backward (torch.distributed.pipelining's ``backward_maybe_with_nosync``), so the stage's
+      gradients stay unsharded in fp32 (:data:`ACCUMULATED_GRADIENT_BYTES` per parameter), where
+      :func:`memory` counts a bf16 shard.
+
+    Returns {"stage", "loss", "output layer's input", "accumulated gradients", "model", "estimate"}."""
+    c = config
+    if stage is None:
+        found = [torchtitan_terms(model, c, seq, global_batch, s) for s in sorted({0, min(1, c.pp - 1), c.pp - 1})]
+        return max(found, key=lambda terms: terms["estimate"])
+    used = memory(model, c, seq, global_batch, stage)
+    b = c.micro_batch
+    terms = {"stage": stage, "loss": 0.0, "output layer's input": 0.0, "accumulated gradients": 0.0}
+    if stage == c.pp - 1:
+        logits = seq * b * model.vocab / (c.tp if model.vocab_parallel else 1) / c.cp
+        peak = LOSS_PEAK_BYTES["loss parallel" if c.tp > 1 and model.vocab_parallel else "plain"] * logits
+        split = (c.tp if c.sp else 1) * c.cp
+        kept = activation_coefficient(model, "cuda", c.recompute)
+        rebuilt = (activation_coefficient(model, "cuda") - kept) * seq * b * model.hidden / split
+        rebuilt = rebuilt if c.recompute != "none" else 0.0
+        terms["loss"] = max(peak, rebuilt) - (LOGIT_BYTES * logits + rebuilt)
+        terms["output layer's input"] = 2 * seq * b * model.hidden / c.cp
+    if c.pp > 1 and c.dp * c.cp > 1 and c.zero >= 2:
+        terms["accumulated gradients"] = (ACCUMULATED_GRADIENT_BYTES * stage_params(model, c.tp, c.pp, stage)
+                                          - used["gradients"])
+    terms["model"] = sum(used.values())
+    terms["estimate"] = terms["model"] + terms["loss"] + terms["output layer's input"] + terms["accumulated gradients"]
+    return terms
 
 
 def ring(n: int) -> float:
@@ -665,9 +851,13 @@ def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)) -
 GiB = 2**30
 # Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, 96 GB H100s; sequences of 8192
 # tokens: seq_len in train_configs/llama3_{8b,70b,405b}.toml at the commit it names, 9dec370): (run, model, GPUs,
-# configuration, global batch, GiB per GPU, why the model does not cover it or None). torchtitan reports
-# torch.cuda.max_memory_reserved (torchtitan/components/metrics.py:531); the model predicts the tensors' bytes.
+# configuration, global batch, GiB per GPU, why the model does not cover it or None). torchtitan reports the
+# caching allocator's peak *reserved* bytes (torchtitan/metrics.py:62 at 9dec370, memory_stats()
+# "reserved_bytes.all.peak"); the model predicts the tensors' bytes (what max_memory_allocated counts). At
+# 9dec370 run_llama_train.sh:22 sets PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (one node, torchrun);
+# multinode_trainer.slurm does not; the benchmark does not say how its 256- and 512-GPU runs were launched.
 # FSDP under PP is ZeRO-2 here: torchtitan does not reshard the weights after forward under a pipeline.
+# :func:`torchtitan_terms` estimates what these runs hold beyond the model.
 PUBLISHED = [
     ("8B FSDP 8, selective AC (T1)", LLAMA3_8B, 8, Config(dp=8, zero=3, micro_batch=2, recompute="selective"),
      16, 82.4, None),
@@ -676,28 +866,30 @@ PUBLISHED = [
     ("8B FSDP 128, selective AC (T3)", LLAMA3_8B, 128, Config(dp=128, zero=3, micro_batch=2, recompute="selective"),
      256, 67.0, None),
     ("70B FSDP 32 x TP 8, full AC (T4)", LLAMA3_70B, 256, Config(dp=32, tp=8, zero=3, micro_batch=16, recompute="full"),
-     512, 71.9, "Float8, compile; unexplained"),
+     512, 71.9, "Float8, compile; part unexplained"),
     ("405B 8x8x8 1F1B, full AC (T5)", LLAMA3_405B, 512,
      Config(dp=8, tp=8, pp=8, zero=2, micro_batch=4, recompute="full"), 256, 82.5,
-     "Float8, compile; most unexplained"),
+     "Float8, compile; part unexplained"),
     ("405B 8x8x8 interleaved (T5)", LLAMA3_405B, 512,
      Config(dp=8, tp=8, pp=8, zero=2, micro_batch=4, recompute="full", schedule="interleaved", v=2), 256, 72.7,
-     "Float8, compile; most unexplained"),
+     "Float8, compile; part unexplained"),
 ]
 WITHIN = 0.15  # how close a covered run's prediction must be
 
 
 def validation(seq: int = 8192) -> list:
     """The model's memory per GPU for each :data:`PUBLISHED` run: a list of dicts with "run",
-    "published" and "predicted" (GiB), "ratio" (predicted / published), "within" (of :data:`WITHIN`)
-    and "why not" (None where the model covers the run)."""
+    "published" and "predicted" (GiB), "ratio" (predicted / published), "within" (of :data:`WITHIN`),
+    "why not" (None where the model covers the run) and "estimate" (GiB: the model plus
+    :func:`torchtitan_terms`, estimates outside the model)."""
     rows = []
     for run, model, gpus, config, batch, published, why in PUBLISHED:
         if config.gpus != gpus:
             raise ValueError(f"{run}: {config} uses {config.gpus} GPUs, not {gpus}")
         predicted = sum(memory(model, config, seq, batch).values()) / GiB
         rows.append({"run": run, "published": published, "predicted": predicted, "ratio": predicted / published,
-                     "within": abs(predicted / published - 1) <= WITHIN, "why not": why})
+                     "within": abs(predicted / published - 1) <= WITHIN, "why not": why,
+                     "estimate": torchtitan_terms(model, config, seq, batch)["estimate"] / GiB})
     return rows
 
 
