@@ -90,8 +90,8 @@ from dataclasses import dataclass
 from course.parallel.schedules import bubble_fraction
 
 RECOMPUTE = ("none", "selective", "full")
-# bytes per logit at the loss's peak: the bf16 logits, their fp32 copy and the fp32 log-softmax that
-# cross-entropy saves (the gradient, fp32, later replaces the copy): torchtitan's loss on bf16 logits
+# bytes per logit at the loss's peak in forward: the bf16 logits, their fp32 copy and the fp32 log-softmax
+# that cross-entropy saves: torchtitan's loss on bf16 logits (backward's peak: LOSS_PEAK_BYTES, further down)
 LOGIT_BYTES = 2 + 4 + 4
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -520,8 +520,9 @@ def accumulated_gradient_bytes(sync: bool, world: int = 4) -> float:
     """Bytes per parameter that FSDP2 (bf16 weights, gradients reduced in fp32, torchtitan's policy) holds
     in gradients after two backwards, measured with ``LiveBytes`` as one rank of ``world`` on the fake process
     group. ``sync=False``: ``set_requires_gradient_sync(False)``, what torch.distributed.pipelining's
-    ``backward_maybe_with_nosync`` sets before every micro-batch's backward but the last: the gradients stay
-    unsharded, accumulated in fp32 (4). ``sync=True``: reduce-scattered, an fp32 shard (``4 / world``).
+    ``backward_maybe_with_nosync`` sets before every micro-batch's backward, the last included (it
+    reduce-scatters once, after the last: ``perform_reduce_grad``): the gradients stay unsharded,
+    accumulated in fp32 (4). ``sync=True``: reduce-scattered, an fp32 shard (``4 / world``).
     Makes and destroys the default process group: call it where none exists."""
     import torch
     import torch.distributed as dist
@@ -654,9 +655,10 @@ def torchtitan_terms(model: Model, config: Config, seq: int, global_batch: int, 
       :data:`LOGIT_BYTES` per logit *and* the layer being recomputed, which is not alive then;
     * "output layer's input": on the last stage, the final norm's output, which the output layer saves for
       its weight's gradient: ``2·s·b·h`` bytes, whole (all-gathered from the sequence-parallel shards);
-    * "accumulated gradients": with a pipeline, FSDP2 (ZeRO-2 here) gets no gradient sync before the last
-      micro-batch's backward (torch.distributed.pipelining's ``backward_maybe_with_nosync``), so the stage's
-      gradients stay unsharded in fp32 (:data:`ACCUMULATED_GRADIENT_BYTES` per parameter), where
+    * "accumulated gradients": with a pipeline, FSDP2 (ZeRO-2 here) gets no gradient sync in any micro-batch's
+      backward and reduce-scatters once after the last (torch.distributed.pipelining's
+      ``backward_maybe_with_nosync``), so the stage's gradients stay unsharded in fp32
+      (:data:`ACCUMULATED_GRADIENT_BYTES` per parameter), where
       :func:`memory` counts a bf16 shard.
 
     Returns {"stage", "loss", "output layer's input", "accumulated gradients", "model", "estimate"}."""
