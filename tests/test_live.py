@@ -32,20 +32,22 @@ def job(rank, world_size):
 print(course.launch(job, 2, timeout=180))
 def later(rank, world_size):
     print("later", flush=True)
-    time.sleep(1)
+    deadline = time.monotonic() + 120
+    while not Path({go!r} + "-later").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 course.launch(later, 2)
 """
 # The ranks wait after their first line until the test has seen it in the live display (shown from
 # 0.5 s on, refreshed every 0.25 s: course.runtime.live.SHOW_AFTER and TICK), so the line provably arrived
 # while the launch still ran. In nbval's re-run the go file already exists: the same output, at once.
-# That display is the cell's first output: cleared at the end. The second launch's display comes after
-# the first one's replay: emptied. (course is imported by the cell before: outputs are counted from a
+# That display is the cell's first output: cleared at the end. The second launch's display (its ranks
+# wait in the same way) comes after the first one's replay: emptied. (course is imported by the cell before: outputs are counted from a
 # cell's start.)
 
 
 class _Recording(NotebookClient):
     """nbclient, as the build runs it, noting the live display's updates as they arrive, and
-    touching ``go`` once rank 0's first line has shown in it."""
+    touching ``go`` once rank 0's first line has shown in it (``go-later``: the second launch's)."""
 
     def __init__(self, *args, go, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,6 +59,8 @@ class _Recording(NotebookClient):
             self.updates.append(msg["content"]["data"])
             if "[rank 0] step 0" in msg["content"]["data"].get("text/plain", ""):
                 self.go.touch()
+            if "[rank 0] later" in msg["content"]["data"].get("text/plain", ""):
+                Path(f"{self.go}-later").touch()
         return super().process_message(msg, cell, cell_index)
 
 
