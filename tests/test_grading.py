@@ -21,6 +21,7 @@ import contextlib
 import csv
 import io
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -354,7 +355,7 @@ def _press_ctrl_c(command, folder, when):
     runs the endless cell; pressed twice, the second during the cleanup). Returns (exit code,
     stderr, processes it started still alive, temporary folders left)."""
     import os
-    import signal
+    import shutil
     import subprocess
     import tempfile
     import time
@@ -401,6 +402,7 @@ def _press_ctrl_c(command, folder, when):
             if psutil.Process(pid).create_time() == created:
                 left.append(cmdline)
     folders = [p.name for p in tmp.iterdir() if p.name.startswith("course-grade-")]
+    shutil.rmtree(tmp, ignore_errors=True)  # (torch's own caches may be there)
     for pid in seen:  # not to disturb the next test
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
@@ -418,7 +420,11 @@ def test_ctrl_c_stops_progress_and_grade_in_one_line_and_leaves_nothing_running(
     stopped = {"progress": r"progress stopped \(Ctrl-C\)(: no verdicts| before it began: nothing graded)",
                "grade": rf"grading stopped: {re.escape(str(tmp_path / 'grades.csv'))} holds the students graded so far"
                         r"|grade stopped \(Ctrl-C\) before it began: nothing graded"}[command]
-    assert (code, len(printed.splitlines())) == (130, 1) and re.fullmatch(stopped, printed.strip()), (code, printed)
+    # -SIGINT: seen once in 7 presses at 1.5 s (quiet machine), after the one line, when the press landed in
+    # torch's import; not explained (CPython ends itself with SIGINT when its "unhandled KeyboardInterrupt"
+    # flag was left set). A shell shows $? = 130 for both.
+    assert code in (130, -signal.SIGINT) and len(printed.splitlines()) == 1, (code, printed)
+    assert re.fullmatch(stopped, printed.strip()), printed
     assert left == [] and folders == [], (left, folders)
 
 
