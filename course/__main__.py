@@ -31,7 +31,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.command in ("grade", "progress"):
-        from course.classroom import grading
+        try:
+            from course.classroom import grading
+        except KeyboardInterrupt:  # Ctrl-C while it starts (imports take seconds): one line, as later
+            print(f"{args.command} stopped (Ctrl-C) before it began: nothing graded", file=sys.stderr)
+            return 130
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
         if args.command == "grade":

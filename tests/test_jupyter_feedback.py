@@ -106,8 +106,9 @@ def test_interrupt_ends_in_one_line_and_shows_the_ranks_output_once(kernel):
     assert "launcher.py" not in line and errors[0]["ename"] == "LaunchInterrupted"
     shown = _streams(messages)
     assert shown == "[rank 0] working on rank 0\n[rank 1] working on rank 1\n"  # once, in rank order
-    updates = [c["data"] for _, kind, c in messages if kind == "update_display_data"]
-    assert updates[-1] == {}  # the live display was emptied: its lines are not shown a second time
+    last = [(kind, c) for _, kind, c in messages if kind in ("update_display_data", "clear_output")][-1]
+    assert last == ("clear_output", {"wait": False}) or last[1]["data"] == {}  # its lines not shown twice: the live
+    # display was cleared (the cell's only output) or, in the cell that imported course (outputs not counted), emptied
     deadline = time.monotonic() + 10
     while _ranks_alive(km) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -233,6 +234,13 @@ class PressedAsLaunchBegins(interrupts.Interrupts):  # created by course.launch 
     def __init__(self):
         press()
         super().__init__()
+from course.classroom.exercises import correct, exercise
+@exercise("Exercise 9 (twice)", hint="-")
+def twice(fn):  # a check module's judge: a press between its two launches
+    course.launch(fn, 2, show=None)
+    press()
+    course.launch(fn, 2, show=None)
+    return correct()
 """
 
 
@@ -241,7 +249,8 @@ def test_a_press_while_no_rank_runs_ends_in_one_line_that_says_where(kernel):
     (raised there, the cell does not run; with Python's handler ipykernel only logged "KeyboardInterrupt
     caught in kernel" and skipped the cell without a word or a reply, Run All went on; a press in a
     pre_run_cell callback was a traceback, and the cell ran), in the cell's own top-level
-    line, in course.launch before it notes presses (no rank started), and in the kernel's code after
+    line, in course.launch before it notes presses (no rank started), in a check's code between its
+    launches, and in the kernel's code after
     the cell's last line (shown at its end). Each time one line, the cell fails (Run All stops), no
     rank left; a press inside a function of the student's is the usual traceback."""
     km, kc = kernel
@@ -277,6 +286,9 @@ def test_a_press_while_no_rank_runs_ends_in_one_line_that_says_where(kernel):
                                    "    interrupts.Interrupts = PressedAsLaunchBegins.__base__\n")
     assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at Cell In[{n}], line 3 "
                                                    "while no rank was running."]], "")
+    status, n, errors, shown = run("print('ran')\ntwice(short)\n")  # in a check, between its launches
+    assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at Cell In[{n}], line 2 "
+                                                   "while no rank was running."]], "ran\n")
     run("once('post_execute', after=1)")  # not at the end of this cell: the next one
     status, n, errors, shown = run("print('ran')\nprint('on')\n")
     assert (status, errors, shown) == ("error", [[f"⏹ KeyboardInterrupt: interrupted at the end of Cell In[{n}] "

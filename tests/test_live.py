@@ -20,9 +20,7 @@ def _kernel_env(start_method="fork"):
 
 
 SLOW_CELL = """\
-import time, course
 from pathlib import Path
-print("before")
 def job(rank, world_size):
     print("step", 0, flush=True)
     deadline = time.monotonic() + 120
@@ -32,25 +30,37 @@ def job(rank, world_size):
         print("step", step, flush=True)
     return rank
 print(course.launch(job, 2, timeout=180))
+def later(rank, world_size):
+    print("later", flush=True)
+    deadline = time.monotonic() + 120
+    while not Path({go!r} + "-later").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+course.launch(later, 2)
 """
 # The ranks wait after their first line until the test has seen it in the live display (shown from
 # 0.5 s on, refreshed every 0.25 s: course.runtime.live.SHOW_AFTER and TICK), so the line provably arrived
 # while the launch still ran. In nbval's re-run the go file already exists: the same output, at once.
+# That display is the cell's first output: cleared at the end. The second launch's display (its ranks
+# wait in the same way) comes after the first one's replay: emptied. (course is imported by the cell before: outputs are counted from a
+# cell's start.)
 
 
 class _Recording(NotebookClient):
     """nbclient, as the build runs it, noting the live display's updates as they arrive, and
-    touching ``go`` once rank 0's first line has shown in it."""
+    touching ``go`` once rank 0's first line has shown in it (``go-later``: the second launch's)."""
 
     def __init__(self, *args, go, **kwargs):
         super().__init__(*args, **kwargs)
-        self.updates, self.go = [], go
+        self.updates, self.go, self.cleared = [], go, 0
 
     def process_message(self, msg, cell, cell_index):
+        self.cleared += msg["msg_type"] == "clear_output"
         if msg["msg_type"] == "update_display_data":
             self.updates.append(msg["content"]["data"])
             if "[rank 0] step 0" in msg["content"]["data"].get("text/plain", ""):
                 self.go.touch()
+            if "[rank 0] later" in msg["content"]["data"].get("text/plain", ""):
+                Path(f"{self.go}-later").touch()
         return super().process_message(msg, cell, cell_index)
 
 
@@ -60,7 +70,8 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_met
     and the stored output must hold the replay, not the live lines. With fork (Linux) and with
     a forkserver (Linux with a GPU), whose ranks are not the kernel's children."""
     go = tmp_path / "go"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SLOW_CELL.format(go=str(go)))])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time, course"),
+                                         nbformat.v4.new_code_cell(SLOW_CELL.format(go=str(go)))])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     env_before = dict(os.environ)
     os.environ.update(_kernel_env(start_method))
@@ -72,11 +83,15 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_met
         os.environ.clear()
         os.environ.update(env_before)
     assert go.exists(), f"the live display showed no rank's line while the launch ran: {client.updates}"
-    assert client.updates[-1] == {}  # emptied at the end
-    outputs = nb.cells[0].outputs
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert text == "before\n" + "".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
-    assert [o.data for o in outputs if o.output_type == "display_data"] == [{}]  # the live display, emptied
+    assert client.updates[-1] == {} and client.cleared == 1  # the first display cleared, the second emptied
+    outputs = nb.cells[1].outputs
+    kinds = [o.output_type for o in outputs]
+    assert kinds.count("display_data") == 1, kinds  # the second display, emptied; nothing of the first
+    first, second = outputs[:kinds.index("display_data")], outputs[kinds.index("display_data") + 1:]
+    text = "".join(o.get("text", "") for o in first if o.output_type == "stream")
+    assert text == "".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
+    assert "".join(o.get("text", "") for o in second) == "[rank 0] later\n[rank 1] later\n"
+    assert outputs[kinds.index("display_data")].data == {}
     path = tmp_path / "slow.ipynb"
     nbformat.write(nb, path)
     result = subprocess.run(

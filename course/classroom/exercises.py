@@ -51,6 +51,8 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from course.runtime import interrupts
+
 ICONS = {"correct": "✅", "wrong": "❌", "todo": "✏️"}
 LINE = 100  # characters a printed line may take: JupyterLab's output area breaks wider ones mid-word
 SOLUTIONS_FILE = Path(__file__).parents[1] / "checks" / "solutions.json"
@@ -163,6 +165,12 @@ def code_block(code: str, language: str = "python") -> str:
     fence = "`" * max(3, max(map(len, re.findall("`+", code)), default=0) + 1)
     kind = "course-log" if language == "text" else "course-code"
     return f'\n\n{NO_MID_WORD_BREAKS}\n<div class="{kind}">\n\n{fence}{language}\n{code.rstrip()}\n{fence}\n\n</div>'
+
+
+# A check runs its launches one after another: a press between them (in the check module's code,
+# below Exercise.__call__) finds no rank running, and in Jupyter ends in one line, not a traceback
+# through the course's frames. A press in the student's own function is theirs: the usual traceback.
+interrupts.no_ranks_in(__file__)
 
 
 class Exercise:

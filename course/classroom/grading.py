@@ -72,12 +72,20 @@ class Class:
     ``close()`` removes its temporary folder."""
 
     def __init__(self, paths, hidden=(), sealed=True, resources=sandbox.Resources()):
+        self.folder = Path(tempfile.mkdtemp(prefix="course-grade-"))
+        try:
+            if len(str(self.folder)) > SHORT_FOLDER:  # under a long TMPDIR the kernels' sockets could not be made
+                shutil.rmtree(self.folder)
+                self.folder = Path(tempfile.mkdtemp(prefix="course-grade-", dir="/tmp"))
+            self._set_up(paths, hidden, sealed, resources)
+        except BaseException:  # Ctrl-C while it copies the course: no folder left behind
+            with interrupts.noted():
+                self.close()
+            raise
+
+    def _set_up(self, paths, hidden, sealed, resources):
         from course.training.data import data_dir
 
-        self.folder = Path(tempfile.mkdtemp(prefix="course-grade-"))
-        if len(str(self.folder)) > SHORT_FOLDER:  # under a long TMPDIR the kernels' sockets could not be made
-            shutil.rmtree(self.folder)
-            self.folder = Path(tempfile.mkdtemp(prefix="course-grade-", dir="/tmp"))
         self.course = copy_course(self.folder / "course-copy")
         self.version = course_hash(self.course / "course")
         self.why_not = sandbox.probe() if sealed else "turned off (--no-sandbox)"
@@ -206,6 +214,8 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
         try:
             for future in [pool.submit(grade_one, item) for item in chosen.items()]:
                 future.result()
+            pool.shutdown(wait=True)
+            judge.close()
         except BaseException:
             with interrupts.noted():  # a second Ctrl-C cannot break the cleanup: noted, not raised
                 stop.set()  # told to stop (SIGINT, SIGTERM): kill what runs, keep what was graded
@@ -213,8 +223,6 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
                 judge.kill()
                 pool.shutdown(wait=True, cancel_futures=True)
             raise
-        pool.shutdown(wait=True)
-        judge.close()
         if judge.ignored:  # someone wrote into the judge's pipe: only possible without the sandbox
             log(f"WARNING: {judge.ignored} lines in the judge's replies answered no request (forged?) and were ignored")
         for student in dict.fromkeys(s for s, _ in chosen):
@@ -225,7 +233,10 @@ def grade_notebooks(submissions, limits: Limits = Limits(), log=print, jobs: int
                                  for check in (x["check"] for x in table[number]["exercises"])]
         return sorted(verdicts, key=lambda v: (v.student, v.notebook))  # stable: exercises stay in the notebook's order
     finally:
-        setting.close()
+        with interrupts.noted() as pressed:  # Ctrl-C while it removes the folder: removed all the same
+            setting.close()
+        if pressed:
+            raise KeyboardInterrupt
 
 
 def _stop_on_sigterm():

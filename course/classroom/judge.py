@@ -63,11 +63,15 @@ class Judge:
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, bufsize=1, env=self.env, start_new_session=True)
         self.lines = queue.Queue()
-        threading.Thread(target=self._read, args=(self.process, self.lines), daemon=True).start()
         try:
+            threading.Thread(target=self._read, args=(self.process, self.lines), daemon=True).start()
             hello = json.loads(self.lines.get(timeout=600) or "null")
         except (queue.Empty, ValueError):
             hello = None
+        except BaseException:  # Ctrl-C while it starts (it imports the checks: seconds): not left running
+            with interrupts.noted():
+                self._stop()
+            raise
         if not isinstance(hello, dict):
             self._stop()
             raise RuntimeError("the judge process did not start: run `python -m course doctor`")

@@ -22,9 +22,10 @@ Between launches, in a Jupyter kernel, :func:`watch_cells` (installed when ``cou
 there) handles a press outside any launch. Python would raise it wherever it lands; a press in the
 kernel's own code around a cell's lines (between two of them, before the first) is then lost or
 shown as a traceback through IPython. Instead it is raised as the cell's next line starts, and a
-press in the cell's own top-level lines or in course.launch's first and last bytecodes (no rank
-runs there) ends in one line that says where, :class:`CellInterrupted`. A press anywhere else (a
-student's function, torch) is the usual ``KeyboardInterrupt``, raised at once, with its traceback.
+press in the cell's own top-level lines, in course.launch's first and last bytecodes or in an
+exercise's check between its launches (no rank runs there) ends in one line that says where,
+:class:`CellInterrupted`. A press anywhere else (a student's function, torch called by the cell) is
+the usual ``KeyboardInterrupt``, raised at once, with its traceback.
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ _watched = []  # the shells watch_cells has hooked
 
 
 def no_ranks_in(path):
-    """Tell :func:`watch_cells` that a press landing in the code of ``path`` (a module's ``__file__``)
-    outside :func:`noted` finds no rank running: the one line is honest there. The launcher says it
-    of itself (its first and last bytecodes, around :func:`noted`)."""
+    """Tell :func:`watch_cells` that a press landing in the code of ``path`` (a module's ``__file__``),
+    or in code it calls (but for a notebook cell's), outside :func:`noted` finds no rank running: the
+    one line is honest there. The launcher says it of itself (its first and last bytecodes, around
+    :func:`noted`), the exercises of their checks (between a check's launches)."""
     _NO_RANKS_IN.add(os.path.normcase(os.path.abspath(path)))
 
 

@@ -50,7 +50,8 @@ rank does once started is :mod:`course.runtime.worker`'s; this module starts and
   prefixed with ``[rank r]``, without the lines torch itself adds on some versions
   (gloo's "connected to peer ranks", the same warning from every rank). Deterministic,
   so nbval can compare it. In Jupyter, a live display shows the newest lines while the
-  ranks run and is emptied at the end (:mod:`course.runtime.live` explains why nbval is unaffected).
+  ranks run and is emptied (or cleared) at the end (:mod:`course.runtime.live` explains
+  why nbval is unaffected).
 * **Failures.** If a rank raises, the others are killed at once and
   :class:`WorkerError` names the rank and shows its traceback. If ranks are still
   running after ``timeout`` seconds (a missing collective, a deadlock), their Python
@@ -116,12 +117,14 @@ STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before
 STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
 # A press outside noted() in launch's first and last bytecodes finds no rank running; in a Jupyter
-# kernel, a press between launches ends in one line too (see course.runtime.interrupts).
+# kernel, a press between launches ends in one line too (see course.runtime.interrupts), and each
+# cell's outputs are counted (a live display that is a cell's only output is cleared, see live).
 interrupts.no_ranks_in(__file__)
 if live.in_jupyter():
     from IPython import get_ipython
 
     interrupts.watch_cells(get_ipython())
+    live.count_outputs(get_ipython())
 
 
 def default_threads(world_size: int) -> int:

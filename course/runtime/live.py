@@ -9,12 +9,18 @@ launch that shows nobody's output, such as an exercise check's: a hang is seen a
 Why it cannot disturb the stored or the compared outputs: the display starts *empty*, is
 filled by ``update_display_data`` messages, and is emptied again when the launch ends.
 It is created only once there is something to show (after ``SHOW_AFTER`` seconds): a quick
-launch leaves no output behind at all, not even an empty one in the notebook a student saves
-(a longer one leaves its emptied display, which ``python -m course build`` drops).
+launch leaves no output behind at all, not even an empty one in the notebook a student saves.
 ``nbclient`` (the build) applies the updates: it stores an empty display. ``nbval`` ignores
 updates: it sees the empty display it was created as. An empty display has no data, so it
 compares equal under both, and nbval merges the stream output around it (the replay) into one.
-Outside Jupyter (a script, pytest) nothing is shown.
+
+An emptied display is still an output: JupyterLab saves it (``{"output_type": "display_data",
+"data": {}}``), and no message removes one output, only ``clear_output``, which removes all of
+the cell's (JupyterLab 4.6, nbclient 0.11; nbval ignores it). So when the display is the cell's
+only output, it is cleared that way instead of emptied (nbclient then stores nothing, nbval still
+compares an empty display): :func:`count_outputs` counts what each cell has shown. After other
+output (a first launch's replay) it is emptied, and stays in a saved notebook
+(``python -m course build`` drops it from the solutions). Outside Jupyter nothing is shown.
 """
 
 from __future__ import annotations
@@ -29,6 +35,43 @@ TICK = 0.25  # seconds between looks at the ranks' output files
 SHOW_AFTER = 0.5  # seconds: a quick launch shows only its replay, without flicker
 STATUS_AFTER = 1.0  # seconds after which the display also says which ranks still run
 LINES = 20  # the display keeps the latest lines only
+
+
+_counting = []  # the shells count_outputs has hooked
+OUTPUTS = ("stream", "display_data", "execute_result", "error")  # what a cell's output area keeps
+
+
+class _Cell:
+    """The kinds of the outputs the running cell has sent so far (None: not known, e.g. in the cell
+    that imported course)."""
+
+    outputs = None
+
+
+def count_outputs(shell):
+    """In a Jupyter kernel (``shell``: IPython's), note each cell's outputs as ipykernel sends them,
+    from the cell's start: its streams (sent from its I/O thread) and displays go through one
+    ``Session.send``, which this wraps. Once per kernel; a kernel that sends them otherwise
+    counts nothing (a live display is then always emptied, never cleared)."""
+    session = getattr(getattr(shell, "kernel", None), "session", None)
+    senders = (getattr(sys.stdout, "session", None), getattr(sys.stderr, "session", None),
+               getattr(shell.display_pub, "session", None))
+    if session is None or any(s is not session for s in senders) or any(c is shell for c in _counting):
+        return
+    _counting.append(shell)
+    send = session.send
+
+    def counted(stream, msg_or_type, content=None, *args, **kwargs):
+        kind = msg_or_type if isinstance(msg_or_type, str) else msg_or_type["header"]["msg_type"]
+        if kind == "clear_output":  # wait=True clears only at the next output: not known meanwhile
+            wait = (content if isinstance(msg_or_type, str) else msg_or_type["content"]) or {}
+            _Cell.outputs = None if wait.get("wait") else []
+        elif kind in OUTPUTS and _Cell.outputs is not None:
+            _Cell.outputs.append(kind)
+        return send(stream, msg_or_type, content, *args, **kwargs)
+
+    session.send = counted
+    shell.events.register("pre_run_cell", lambda info: setattr(_Cell, "outputs", []))
 
 
 def in_jupyter() -> bool:
@@ -73,8 +116,17 @@ class LiveOutput:
             self.handle.update({"text/plain": text}, raw=True)
 
     def close(self):
-        """Empty the display: the launch's rank-ordered replay follows it."""
-        if self.shown:
+        """Empty the display, or clear the cell if it is its only output (see the module's doc):
+        the launch's rank-ordered replay follows."""
+        if not self.shown:
+            return
+        sys.stdout.flush()  # anything printed meanwhile is sent, and counted, before we look
+        sys.stderr.flush()
+        if _Cell.outputs == ["display_data"]:
+            from IPython.display import clear_output
+
+            clear_output()
+        else:
             self.handle.update({}, raw=True)
 
     def _read(self, rank):
