@@ -296,9 +296,9 @@ def _right(counts, rank, dim):
 )
 def test_bytes_sent_rejects_wrong_answers(predict, hint):
     feedback = nb15.bytes_sent(predict)
-    # the counts are drawn at random: a wrong guess may, by chance, equal what a rank receives (its column)
-    # or its row with its own chunk, and is then named as that mistake instead
-    by_chance = ("that is what the rank receives", "a rank's own chunk is copied") if hint == "you predicted" else ()
+    # the counts are drawn at random: a wrong guess may, by chance, equal what a rank receives (its column),
+    # its row with its own chunk or its payload in values, and is then named as that mistake (too)
+    by_chance = ("what the rank receives", "own chunk is copied", "a float32 value is 4 bytes") if hint == "you predicted" else ()
     assert feedback.status == "wrong" and any(h in feedback.message for h in (hint, *by_chance)), feedback
 
 
@@ -309,6 +309,15 @@ def test_bytes_sent_names_both_mistakes_when_the_counts_make_them_equal(monkeypa
     feedback = nb15.bytes_sent(lambda c, r, d: int(c[:, r].sum() - c[r, r]) * d * 4)
     assert feedback.status == "wrong" and "what the rank receives" in feedback.message, feedback
     assert "own chunk is copied in memory" in feedback.message, feedback
+
+
+def test_bytes_sent_names_values_for_bytes_when_it_equals_what_the_rank_receives(monkeypatch):
+    """SEED 10 draws [[8, 4], [1, 5]] on 2 ranks: rank 0's 4 tokens in values (4 x 96) equal the 1 token it
+    receives in bytes (96 x 4). That answer was named only 'what the rank receives', ~1 draw in 45."""
+    monkeypatch.setattr(nb15, "SEED", 10)
+    feedback = nb15.bytes_sent(lambda c, r, d: int(c[r].sum() - c[r, r]) * d)
+    assert feedback.status == "wrong" and "a float32 value is 4 bytes" in feedback.message, feedback
+    assert "what the rank receives" in feedback.message, feedback
 
 
 def test_bytes_sent_accepts_the_payload_and_the_payload_plus_headers():

@@ -463,15 +463,16 @@ def bytes_sent(predict):
                 continue  # the tokens' bytes, plus at most gloo's headers
             with_own = guess == payload + int(counts[rank, rank]) * dim * 4
             received = guess == (int(counts[:, rank].sum()) - int(counts[rank, rank])) * dim * 4
-            if with_own and received:  # these random counts make the two mistakes the same number
-                return wrong("that is what the rank receives (its column of send_counts), and also its row with its own "
-                             "chunk: it sends its row, and a rank's own chunk is copied in memory (measured).")
-            if with_own:
-                return wrong("a rank's own chunk is copied in memory: the wire never sees it (measured).")
-            if received:
-                return wrong("that is what the rank receives (its column of send_counts); it sends its row.")
-            if guess * 4 == payload:
-                return wrong("count bytes: a float32 value is 4 bytes.")
+            mistakes = [said for matches, said in (
+                (with_own, "its row with its own chunk: a rank's own chunk is copied in memory, the wire never sees it "
+                           "(measured)."),
+                (received, "what the rank receives (its column of send_counts); it sends its row."),
+                (guess * 4 == payload, "its payload in values, not bytes: a float32 value is 4 bytes."),
+            ) if matches]
+            if len(mistakes) > 1:  # these random counts make two mistakes the same number: name both
+                return wrong("that is " + " It is also ".join(mistakes))
+            if mistakes:
+                return wrong("that is " + mistakes[0])
             return wrong(f"on {world_size} ranks, dim = {dim}, with send_counts = {counts.tolist()}, rank {rank} sent "
                          f"{measured[rank]:,} B (gloo adds ~{144 * (world_size - 1)} B of headers); you predicted {guess:,}.")
     return correct("what the wire measured on 2, 3 and 4 ranks, less gloo's headers.")
