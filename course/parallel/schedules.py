@@ -350,7 +350,8 @@ def run_schedule(chunks, order, inputs, targets, layout="loop", cpu=None):
             # the last stage ends in the loss, weighted: the m losses add up to the batch mean
             root = nn.functional.mse_loss(outs[-1], targets[i]) / m if k == n - 1 else outs[-1]
             saved[(i, c)] = (outs, root)
-            stop, cpu_stop = time.perf_counter(), time.thread_time()  # before the send: the receiver may start at once
+            # stopped before the send: the receiver may start at once
+            stop, cpu_stop = time.perf_counter(), time.thread_time()
             if k < n - 1:
                 send(root.detach(), "F", i, k + 1)
         elif op == "B":
