@@ -889,3 +889,41 @@ def test_a_press_noted_just_before_the_launch_began_reads_as_at_its_start():
     must not say "after -0.0 s" (seen once in 50 presses)."""
     message = str(course.runtime.launcher.LaunchInterrupted(2, None, -1e-9))
     assert message == "interrupted after 0.0 s: course.launch stopped all 2 ranks before they started."
+
+
+def test_a_forkservers_ranks_are_born_ignoring_sigint_and_nothing_else_changes(tmp_path):
+    """course.runtime.in_forkserver, preloaded first by the forkserver course.launch starts: its forks
+    start with SIGINT ignored (a press to the kernel's group cannot raise in multiprocessing's start-up
+    code); imported anywhere else it leaves SIGINT alone. Checked in a bare forkserver (no torch)."""
+    import signal
+    import subprocess
+    import textwrap
+
+    import course.runtime.in_forkserver as in_forkserver
+
+    assert not in_forkserver.in_a_forkserver()
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    script = textwrap.dedent("""
+        import multiprocessing as mp, signal
+        def child(q):
+            q.put(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+        if __name__ == "__main__":
+            for preload in ([], ["course.runtime.in_forkserver"]):
+                ctx = mp.get_context("forkserver")
+                ctx.set_forkserver_preload(preload)
+                q = ctx.Queue()
+                p = ctx.Process(target=child, args=(q,))
+                p.start()
+                print(preload, q.get())
+                p.join()
+                from multiprocessing import forkserver
+                forkserver._forkserver._stop()  # the next preload list needs a new server
+    """)
+    (tmp_path / "fs.py").write_text(script)  # a file: the forkserver imports the child's function from it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(in_forkserver.__file__ + "/..")))
+    done = subprocess.run([sys.executable, str(tmp_path / "fs.py")], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert done.stdout.split("\n")[:2] == ["[] False", "['course.runtime.in_forkserver'] True"], done.stderr
+    from course.runtime.launcher import FORKSERVER_PRELOAD
+
+    assert FORKSERVER_PRELOAD[0] == "course.runtime.in_forkserver"  # before anything that could take long

@@ -112,7 +112,9 @@ __all__ = ["launch", "WorkerError", "WorkerTimeoutError", "LaunchInterrupted", "
 START_METHODS = ("fork", "forkserver", "spawn")
 START_METHOD_VARIABLE = "COURSE_START_METHOD"  # overrides the default start method of every launch
 # What a forkserver imports once, so that its ranks (its forks) start with them imported.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course.runtime.launcher"]
+FORKSERVER_PRELOAD = [
+    "course.runtime.in_forkserver",  # first: SIGINT ignored in the server, so its ranks are born ignoring it
+    "torch", "torch.distributed", "torch._dynamo", "cloudpickle", "course.runtime.launcher"]
 STARTUP_LIMIT = 120  # seconds a rank may take to start (import torch...) before the timeout counts anyway
 STARTUP_POLL = 0.02  # seconds between looks for the ranks' "started" files
 
