@@ -109,21 +109,28 @@ def test_recomputation_keeps_its_layers_inputs_and_rebuilds_one_layer():
     assert sel == pytest.approx(32 * kept * s * h / 2 + (c - kept) * s * h / 2 + logits)
 
 
-def _fsdp_peaks(rank, world_size):
+def _refusal_beside_a_process_group(measure):
+    """In a rank: what ``measure`` (which makes its own fake process group) raises when one is already
+    there, or None if it does not refuse."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        measure()
+    except RuntimeError as error:  # a process group already there: refused, said why
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+def _fsdp_peaks(rank, world_size):
     peaks = {"small activations": planner.fsdp_peak_buffers(seq=1, vocab=256),
              "bf16 reduction": planner.fsdp_peak_buffers(seq=1, vocab=256, reduce="bf16"),
              "large activations": planner.fsdp_peak_buffers(seq=256),
              "forward": planner.fsdp_peak_buffers(seq=32, backward=False)}
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        planner.fsdp_peak_buffers(seq=1)
-    except RuntimeError as error:  # a process group already there: refused, said why
-        peaks["refused"] = str(error)
-    finally:
-        dist.destroy_process_group()
+    peaks["refused"] = _refusal_beside_a_process_group(lambda: planner.fsdp_peak_buffers(seq=1))
     return peaks
 
 
@@ -278,16 +285,7 @@ def _loss_and_gradient_bytes(rank, world_size):
     found = {"plain": planner.loss_peak_bytes(False), "parallel 2": planner.loss_peak_bytes(True, tp=2),
              "parallel 8": planner.loss_peak_bytes(True, tp=8),
              "sync": planner.accumulated_gradient_bytes(True), "no sync": planner.accumulated_gradient_bytes(False)}
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        planner.loss_peak_bytes(True)
-    except RuntimeError as error:
-        found["refused"] = str(error)
-    finally:
-        dist.destroy_process_group()
+    found["refused"] = _refusal_beside_a_process_group(lambda: planner.loss_peak_bytes(True))
     return found
 
 
