@@ -101,6 +101,47 @@ def test_a_message_between_ranks_costs_the_latency_and_one_within_a_rank_costs_n
     assert cs.simulate(one_f_one_b, 2, 4, 1, latency=0.1).bubble > cs.simulate(one_f_one_b, 2, 4, 1).bubble
 
 
+def test_time_between_recovers_the_gap_and_latency_a_simulated_timeline_was_played_with():
+    # per rank and op: a gap after the rank's previous action, a latency after a late input
+    for table, p, m, v, layout in [(cs.one_f_one_b_table(3, 5), 3, 5, 1, "loop"),
+                                   (cs.interleaved_1f1b(2, 4, 2), 2, 4, 2, "loop"),
+                                   (cs.zb_h1(3, 6), 3, 6, 1, "loop"),
+                                   (cs.from_orders([[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]] * 2),
+                                    2, 1, 2, "v")]:
+        gap = {(r, op): 0.01 * (r + 1) + 0.001 * "FBW".index(op) for r in range(p) for op in "FBW"}
+        latency = {(r, op): 0.1 * (r + 1) + 0.02 * "FBW".index(op) for r in range(p) for op in "FBW"}
+        cost = {(r, op, c): 1 + 0.1 * r + 0.2 * c + 0.3 * "FBW".index(op) for r in range(p) for c in range(v)
+                for op in "FBW"}
+        logs = cs.simulate(table, p, m, v, layout, cost=cost, latency=latency, gap=gap).logs
+        for r, log in enumerate(logs):  # each action took its rank's and chunk's time
+            split = any(a[0] == "W" for a in log)
+            assert all(abs(end - start - cost[(r, op, c)] - (cost[(r, "W", c)] if op == "B" and not split else 0))
+                       < 1e-9 for op, _, c, start, end in log)
+        found_gap, found_latency = cs.time_between(logs, p, v, layout)
+        seen = {(r, op) for r, log in enumerate(logs) for op in {a[0] for a in log[1:]}}
+        assert sum(found_gap[key] == pytest.approx(gap[key]) for key in seen) >= len(seen) / 2
+        assert any(found_latency[key] == pytest.approx(latency[key]) for key in found_latency)
+        # played again with what was found: the same bubble (a gap next to a late input is ambiguous)
+        again = cs.simulate(table, p, m, v, layout, cost=cost, latency=found_latency, gap=found_gap)
+        assert again.bubble == pytest.approx(cs.bubble(logs), abs=0.01)
+    # a gap makes every schedule idle more, and one of 0 changes nothing
+    one_f_one_b = cs.one_f_one_b_table(2, 4)
+    assert cs.simulate(one_f_one_b, 2, 4, 1, gap=0.0).bubble == cs.simulate(one_f_one_b, 2, 4, 1).bubble
+    assert cs.simulate(one_f_one_b, 2, 4, 1, gap=0.1).bubble > cs.simulate(one_f_one_b, 2, 4, 1).bubble
+
+
+def test_time_between_on_a_hand_made_timeline():
+    # rank 0: F0 0-1, F1 1.5-2.5 (gap 0.5), B0 3.2-4 (its gradient from rank 1 came at 3.0: late, 0.2);
+    # rank 1: F0 1.3-2 (its first: rank 0's F0 ended at 1, latency 0.3), B0 2-3 (its own F: gap 0), F1 3.1-4
+    # (rank 0's F1 ended at 2.5, before B0 did: gap 0.1)
+    logs = [[("F", 0, 0, 0.0, 1.0), ("F", 1, 0, 1.5, 2.5), ("B", 0, 0, 3.2, 4.0)],
+            [("F", 0, 0, 1.3, 2.0), ("B", 0, 0, 2.0, 3.0), ("F", 1, 0, 3.1, 4.0)]]
+    gap, latency = cs.time_between(logs, 2, 1)
+    assert gap[(0, "F")] == pytest.approx(0.5) and gap[(1, "B")] == 0 and gap[(1, "F")] == pytest.approx(0.1)
+    assert latency[(0, "B")] == pytest.approx(0.2) and latency[(1, "F")] == pytest.approx(0.3)
+    assert gap[(0, "W")] == pytest.approx(0.1) and latency[(1, "B")] == pytest.approx(0.25)  # the medians of all
+
+
 def test_bubble_fraction_names_its_schedules():
     with pytest.raises(ValueError, match="schedule must be one of"):
         cs.bubble_fraction("dualpipe", 4, 8)

@@ -184,17 +184,29 @@ def check_table(table, p, m, v):
             done.add((op, i, c))
 
 
-def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0):
+def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0, gap=0.0):
     """Check ``table`` and play it in logical time: an action starts when its rank is free and
-    its input has arrived. ``cost``: time of F, B, W for one chunk (a whole backward, when there
-    are no W rows, costs B + W); ``latency``: time a message takes from one rank to another (0:
-    sends take no time). Raises :class:`Deadlock` if it cannot run."""
+    its input has arrived. ``cost``: time of F, B, W for one chunk, ``{op: time}``, or per rank
+    and chunk, ``{(rank, op, chunk): time}`` (a whole backward, when there are no W rows, costs
+    B + W; give it as ``B``, and ``W`` 0, when measured); ``latency``: time from the end of the
+    action on another rank that sends an input to the start of the one that needs it (0: sends
+    take no time); ``gap``: time from the end of a rank's action to the start of its next one
+    when the input is already there (receiving, sending, Python's bookkeeping). ``latency`` and
+    ``gap`` are one number or ``{(rank, op): time}`` (see :func:`time_between`). Raises
+    :class:`Deadlock` if it cannot run."""
     check_table(table, p, m, v)
     cost = cost or {"F": 1 / v, "B": 1 / v, "W": 1 / v}
     split = any(Op(*row).op == "W" for row in table)
     n = p * v
     where = {stage_of(r, c, p, layout): (r, c) for r in range(p) for c in range(v)}
     orders = orders_of([Op(*row) for row in table], p)
+
+    def took(op, r, c):  # how long rank r's action runs
+        return cost[(r, op, c)] if (r, op, c) in cost else cost[op]
+
+    def wait(times, r, op):  # latency or gap of rank r's op
+        return times[(r, op)] if isinstance(times, dict) else times
+
     done = {}  # (op, mb, stage) -> end time
     free, logs, held, peak = [0.0] * p, [[] for _ in range(p)], [0] * p, [0] * p
     while any(len(logs[r]) < len(orders[r]) for r in range(p)):
@@ -209,8 +221,9 @@ def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0):
                      "W": [("B", i, k)]}[op]
             if any(need not in done for need in needs):
                 continue
-            start = max([free[r]] + [done[need] + (latency if where[need[2]][0] != r else 0) for need in needs])
-            free[r] = start + cost[op] + (cost["W"] if op == "B" and not split else 0)
+            start = max([free[r] + (wait(gap, r, op) if logs[r] else 0)]
+                        + [done[need] + (wait(latency, r, op) if where[need[2]][0] != r else 0) for need in needs])
+            free[r] = start + took(op, r, c) + (took("W", r, c) if op == "B" and not split else 0)
             done[(op, i, k)] = free[r]
             logs[r].append((op, i, c, start, free[r]))
             held[r] += 1 if op == "F" else -1 if op == ("W" if split else "B") else 0
@@ -221,6 +234,43 @@ def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0):
             raise Deadlock("no rank can go on: " + ", ".join(f"rank {r} waits at {o}{i} (chunk {c})" for r, (o, i, c) in stuck))
     assert len(where) == n  # every stage on exactly one (rank, chunk)
     return Timeline(logs, peak, bubble(logs))
+
+
+def time_between(logs, p, v, layout="loop"):
+    """What a measured timeline spends between actions, per rank and op: ``(gap, latency)``, each
+    ``{(rank, op): seconds}``, for :func:`simulate`. ``gap``: the median time from the end of the
+    rank's previous action to the start of this one, over the actions whose input from another
+    rank (if any) had arrived when the previous one ended; ``latency``: the median time from the
+    end of the sender's action to the start of this one, over the others (the input came late,
+    or the action is the rank's first).
+    A (rank, op) without such actions gets the median over all ranks and ops (0 if none)."""
+    from statistics import median
+
+    n, end = p * v, {}
+    for r, log in enumerate(logs):
+        for op, i, c, start, stop in log:
+            end[(op, i, stage_of(r, c, p, layout))] = stop
+    owner = {stage_of(r, c, p, layout): r for r in range(p) for c in range(v)}
+    gaps, lates = {}, {}
+    for r, log in enumerate(logs):
+        previous = None  # the end of the rank's previous action
+        for op, i, c, start, stop in log:
+            k = stage_of(r, c, p, layout)
+            source = k - 1 if op == "F" else k + 1
+            remote = op != "W" and 0 <= source < n and owner[source] != r
+            if remote and (previous is None or end[(op, i, source)] > previous):
+                lates.setdefault((r, op), []).append(start - end[(op, i, source)])
+            elif previous is not None:
+                gaps.setdefault((r, op), []).append(start - previous)
+            previous = stop
+
+    def per_rank_and_op(samples):
+        every = [x for xs in samples.values() for x in xs]
+        fallback = median(every) if every else 0.0
+        return {(r, op): median(samples[(r, op)]) if (r, op) in samples else fallback
+                for r in range(p) for op in "FBW"}
+
+    return per_rank_and_op(gaps), per_rank_and_op(lates)
 
 
 def bubble(logs):
