@@ -93,7 +93,7 @@ RECOMPUTE = ("none", "selective", "full")
 # bytes per logit at the loss's peak in forward: the bf16 logits, their fp32 copy and the fp32 log-softmax
 # that cross-entropy saves: torchtitan's loss on bf16 logits (backward's peak: LOSS_PEAK_BYTES, further down)
 LOGIT_BYTES = 2 + 4 + 4
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Config:
     micro_batch: int = 1  # sequences per micro-batch
     recompute: str = "none"  # "none", "selective" (torchtitan's op policy) or "full"; True/False: full/none
     sp: bool = True  # sequence parallelism with TP: activations between layers split too
-    schedule: str = "1f1b"  # the pipeline schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
+    schedule: str = "1f1b"  # the pipeline schedule: "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-h2"
     v: int = 1  # model chunks per pipeline rank (interleaved: v >= 2)
 
     def __post_init__(self):
@@ -561,11 +561,17 @@ def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     :func:`~course.parallel.schedules.bubble_fraction` ``f``, the idle fraction of the whole step.
     GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal ratio); interleaved with ``v`` chunks per
     rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023): a third of 1F1B's,
-    ``(p-1)/(3m)``."""
+    ``(p-1)/(3m)``. ZB-H2 (the course's :func:`~course.parallel.schedules.zb_h2`): what rank 0
+    idles inside its own step, ``max(0, 2p-1-m)`` forwards' time per ``3m`` of compute (0 from
+    ``m = 2p-1`` on), on the paper's condition that consecutive steps then overlap, the next one
+    starting on rank 0 while the last rank finishes: no all-reduce before the optimizer step
+    (post-validation); with one, its step idles as ZB-H1's."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is one of {SCHEDULES}, not {schedule!r}")
     if pp < 1 or m < 1 or v < 1:
         raise ValueError(f"pp, m and v are >= 1, not {pp}, {m}, {v}")
+    if schedule == "zb-h2":
+        return max(0, 2 * pp - 1 - m) / (3 * m)
     idle = bubble_fraction(schedule, pp, m, v)  # idle / (compute + idle)
     return idle / (1 - idle)
 
@@ -573,10 +579,17 @@ def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
 def in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> float:
     """Micro-batches whose activations pipeline stage ``stage`` holds at its peak, in units of all its
     layers. GPipe: all ``m`` (every forward before any backward, as the capstone's 8-rank run does);
-    1F1B and ZB-H1: ``min(p - stage, m)``; interleaved (Megatron's warm-up): ``2(p - stage - 1) +
-    (v - 1)p + 1`` chunks of ``1/v`` of the stage's layers, at most ``m·v``."""
+    1F1B: ``min(p - stage, m)``; ZB-H1: ``min(p, m)`` on every stage (a micro-batch is held from its
+    F until its W, and rank ``r`` keeps ``r`` W's for the end); ZB-H2: ``min(2p - 1, m)`` on every
+    stage; interleaved (Megatron's warm-up): ``2(p - stage - 1) + (v - 1)p + 1`` chunks of ``1/v`` of
+    the stage's layers, at most ``m·v``. Each is the peak the schedules notebook's simulator counts
+    (a test). A micro-batch waiting for its W is counted whole, though W needs less than all of it."""
     if schedule == "gpipe":
         return m
+    if schedule == "zb-h1":
+        return min(pp, m)
+    if schedule == "zb-h2":
+        return min(2 * pp - 1, m)
     if schedule == "interleaved":
         return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
     return min(pp - stage, m)
@@ -819,10 +832,11 @@ def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(
     """Every valid configuration (powers of two for dp, tp, pp; context parallelism of each size in
     ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 14's zigzag layout: pass e.g.
     ``cp=(1, 2, 4, 8, 16)`` to let it in; every ZeRO stage; micro-batches of 1, 2 or 4; each
-    recomputation policy; with pipelines, 1F1B, interleaved with 2 or 4 chunks per rank and ZB-H1):
+    recomputation policy; with pipelines, 1F1B, interleaved with 2 or 4 chunks per rank, ZB-H1 and ZB-H2):
     the ones that fit first, fastest first, then the rest, by memory."""
     powers = [2**i for i in range(20) if 2**i <= cluster.gpus]
-    schedules = {1: [("1f1b", 1)], 0: [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]}
+    schedules = {1: [("1f1b", 1)],
+                 0: [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1)]}
     found = []
     for tp, pp, cp_, zero, b, recompute in itertools.product(powers, powers, cp, (0, 1, 2, 3), (1, 2, 4), RECOMPUTE):
         if cluster.gpus % (tp * pp * cp_) or tp > cluster.per_node or pp > model.layers or seq % (2 * cp_):
