@@ -112,7 +112,7 @@ def test_torch_under_another_name_is_right_without_the_check():
     [
         (_b_before_f, "before its F"),
         (_interleaved(reverse=False), "deadlocks"),  # backwards through the chunks in forward order
-        (_interleaved(lambda p, m, v, r, size: m * v), "holds up to"),  # every forward first: GPipe's memory
+        (_interleaved(lambda p, m, v, r, size: m * v), "too many in the warm-up"),  # every forward first: GPipe's
         (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * (1 - r)), "p = 4"),  # right for p = 2 only
         (_interleaved(lambda p, m, v, r, size: (v - 1) * size), "idles"),  # no 1F1B warm-up below the rank
         (_interleaved(lambda p, m, v, r, size: (v - 1) * p + 2 * (p - 1 - r)), "p = 4, m = 6"),  # m % p == 0 only
@@ -152,7 +152,10 @@ def _torch_zb(p, m):
     [
         (lambda p, m: _interleaved()(p, m, 1), "no W"),  # 1F1B
         (_zb(w_first=True), "before its B"),
-        (_zb(lag=lambda r: 10**6), "holds up to"),  # every W at the end
+        (_zb(lag=lambda r: 10**6), "W's are held back too long"),  # every W at the end
+        (_zb(lag=lambda r: r + 1), "W's are held back too long"),  # one W too many deferred, warm-up right
+        (_zb(lag=lambda r: 0, warmup=lambda p, r: p - r), "too many in the warm-up"),  # one forward too many
+        (_zb(warmup=lambda p, r: p - r), "holds up to"),  # both: the warm-up is named first
         (_zb(lag=lambda r: 0), "idles"),  # W right after B: 1F1B's bubble
         (_zb(lag=lambda r: r, warmup=lambda p, r: 1 - r), "p = 4"),  # 1F1B's warm-up for p = 2 only
         (_zb(warmup=lambda p, r: r), "deadlocks"),  # the warm-up reversed: rank 0 waits for a gradient of F1
@@ -212,4 +215,5 @@ def test_exercise_1_asks_for_the_warm_up_and_shows_it_only_after_the_check():
         assert formula not in before, formula
     assert "2 * (P - 1 - r)" in cells[check + 2].source
     hint = str(nb16.interleaved.hint())
+    assert "larger rounds first" in hint  # a split with the remainder in the last round fails otherwise
     assert "round trip" in hint and "2 * (p - 1 - r)" not in hint and "(round size)" not in hint

@@ -5,7 +5,7 @@ import random
 
 from course.classroom.exercises import correct, exercise, wrong
 from course.parallel.pipeline import Deadlock
-from course.parallel.schedules import Op, ScheduleError, bubble_fraction, simulate
+from course.parallel.schedules import Op, ScheduleError, bubble_fraction, orders_of, simulate
 
 
 class TorchScheduleUsed(RuntimeError):
@@ -72,12 +72,24 @@ def _judge(table, p, m, v, promise, law, name):
                      "gradient whose forward it has not sent yet: warm up with more forwards.")
     for r, held in enumerate(timeline.peak):
         if held > promise(r):
-            return wrong(f"{where}: rank {r} holds up to {held} chunk activations at once; {name} promises at most "
-                         f"{promise(r)}. Too many forwards before the first backward?")
+            return wrong(f"{where}: rank {r} holds up to {held} {'chunk' if v > 1 else 'micro-batch'} activations "
+                         f"at once; {name} promises at most {promise(r)}. {_why_held(table, p, r, promise(r))}")
     if law is not None and timeline.bubble > law + 1e-9:
         return wrong(f"{where}: the pipeline idles {timeline.bubble:.3f} of the step, {name}'s law says "
                      f"{law:.3f}. The ranks wait for each other: which action could run earlier?")
     return None
+
+
+def _why_held(table, p, r, promised):
+    """Why rank r holds too much, read from its order: an activation lives from its F until the
+    action that frees it (its B, or its W where the backward is split)."""
+    order = [op for op, _, _ in orders_of(table, p)[r]]
+    if order.index("B") > promised:
+        return f"It runs {order.index('B')} forwards before its first backward: too many in the warm-up."
+    if "W" in order:
+        return ("Its warm-up is not too long: its W's are held back too long (an activation lives from its F "
+                "until its W).")
+    return "Its warm-up is not too long: after it, does it run more forwards than backwards?"
 
 
 def _random_points(points, draw, n=3):
@@ -110,7 +122,10 @@ def _first_round(p, m):
     "the same round through chunk 1, ... The backwards go the same way, chunks reversed. For the warm-up, "
     "count, one slot per F or B, the forwards rank r can run before micro-batch 0's gradient is back on its "
     "last chunk: those of its earlier chunks that come first in the order, its own forward of micro-batch "
-    "0 on its last chunk, and one for every slot of the round trip to the last rank and back. Then it alternates F and B, then runs the backwards left.",
+    "0 on its last chunk, and one for every slot of the round trip to the last rank and back. Then it alternates "
+    "F and B, then runs the backwards left. When p does not divide m, the rounds differ by one micro-batch: put "
+    "the larger rounds first (the warm-up is counted on the first round: with a smaller first round a rank "
+    "reaches a backward before its forward).",
     finished=("course.parallel.schedules.interleaved_1f1b",),
 )
 def interleaved(fn):
