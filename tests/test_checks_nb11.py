@@ -520,6 +520,8 @@ def _scaler(agree="max", unscale=True, zero_on_skip=True, halve=True, test=torch
             dist.all_reduce(found)  # any nonzero count means an overflow somewhere: also right
         elif agree == "rank 0":
             dist.broadcast(found, 0)
+        elif agree == "where found" and found.item():  # one-sided: only a rank that found an overflow all-reduces
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
         elif agree == "copies":  # right verdicts, but whole shards on the wire instead of one number
             copies = [s.grad.clone() for s in shards.values()]
             for grad_copy in copies:
@@ -575,6 +577,15 @@ def test_scaled_step_accepts_the_solution_and_a_summed_verdict():
 def test_scaled_step_rejects_wrong_answers(answer, hint):
     feedback = nb11.scaled_step(answer)
     assert feedback.status == "wrong" and hint in said(feedback), feedback
+
+
+def test_scaled_step_names_the_ranks_that_never_joined_a_one_sided_collective():
+    # At step 0 the overflow lands in the last rank's slice: it all-reduces, rank 0 goes on to its next step.
+    # It hangs forever: the check stops it after hang_s (10 s by default; 5 here, on 2 ranks, to keep the test short).
+    feedback = nb11.scaled_step(_scaler(agree="where found"), world_sizes=(2,), hang_s=5)
+    assert feedback.status == "wrong", feedback
+    assert "rank 1 waited in a collective of your step that rank 0 never joined" in said(feedback), feedback
+    assert "stopped them after 5 s" in said(feedback) and "rank 1:" in feedback.details, feedback
 
 
 # ------------------------------------------------------------------ Exercise 4 (bytes_per_rank)

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+from dataclasses import replace
 import math
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from course.classroom import guard
 from course.observe import tracing, wire
 from course.classroom import exercises
 from course.classroom.exercises import correct, exercise
-from course.runtime.launcher import launch
+from course.runtime.launcher import WorkerTimeoutError, launch
 from course.observe.memory import bytes_per_rank as measure_bytes
 from course.observe.memory import saved_activation_bytes, storage_bytes
 from course.parallel.zero import zero1_setup, zero1_step as reference_zero1_step
@@ -528,6 +529,46 @@ def _scaler_pair(rank, world_size, fn, reference):
     return _scaler_run(rank, world_size, fn), _scaler_run(rank, world_size, reference)
 
 
+# How long Exercise 3's launch may run before the check calls the answer hung (a collective that only
+# some ranks call, e.g. only those that found an overflow, waits forever). A correct answer's launch (the
+# answer's 7 steps and the reference's, on the traced backend) took 0.45-0.83 s on 2 ranks and 1.1-1.5 s
+# on 3 at load average 4-6 on 2 cores (torch 2.15); the timeout counts from when every rank has started.
+# 10 s leaves several times the worst of those, and tells a student with a one-sided collective after
+# 10 s, not after the launch's default minutes.
+SCALER_HANG_S = 10
+
+
+def _in_answer(fn, stacks, ranks):
+    """The ranks among ``ranks`` whose stack (as the launcher dumped it at the timeout) is inside ``fn``."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    frame = f'File "{code.co_filename}"'
+    return [r for r in ranks if any(frame in line and line.endswith(f" in {code.co_name}")
+                                    for line in stacks.get(r, "").splitlines())]
+
+
+def _ranks(ranks):
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _scaler_hung(fn, e, world_size, seconds):
+    """The verdict on a launch that timed out: which ranks waited in the answer's collective, and which
+    never joined it (they had gone on, or finished)."""
+    waiting = _in_answer(fn, e.stacks, e.ranks)
+    others = [r for r in range(world_size) if r not in waiting]
+    if waiting and others:
+        why = f"{_ranks(waiting)} waited in a collective of your step that {_ranks(others)} never joined (went on without it)"
+    elif waiting:
+        why = f"{_ranks(waiting)} waited in collectives of your step that did not match each other"
+    else:
+        why = f"{_ranks(e.ranks)} waited for each other outside your step"
+    stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
+    return replace(wrong(f"on {world_size} ranks, {why}; the check stopped them after {seconds:g} s. Every rank must "
+                         "call the same collectives in the same order at every step: all-reduce the found-inf flag on "
+                         "every rank, not only on those that found an overflow."), details=stuck)
+
+
 @exercise(
     "Exercise 3 (scaled_step)",
     hint="backward on loss * scale; found = 1.0 if any of this rank's shard gradients is not finite; "
@@ -535,13 +576,16 @@ def _scaler_pair(rank, world_size, fn, reference):
     "else divide every shard's gradient by scale, optimizer.step(), return (scale, True).",
     finished=("course.parallel.fsdp.scaled_step",),
 )
-def scaled_step(fn, world_sizes=(2, 3)):
+def scaled_step(fn, world_sizes=(2, 3), hang_s=SCALER_HANG_S):
     """Exercise 3: a loss-scaled step whose verdict every rank shares."""
     from course.parallel.fsdp import scaled_step
 
     reference = guard.original(scaled_step)  # the course's own, unguarded: the check's yardstick
     for world_size in world_sizes:
-        both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=120, backend="traced")
+        try:
+            both = launch(_scaler_pair, world_size, fn, reference, show=None, timeout=hang_s, backend="traced")
+        except WorkerTimeoutError as e:
+            return _scaler_hung(fn, e, world_size, hang_s)
         mine, right = [m for m, _ in both], [r for _, r in both]
         for r in mine:
             if "error" in r:
