@@ -21,6 +21,9 @@ def _kernel_env(start_method="fork"):
 
 SLOW_CELL = """\
 from pathlib import Path
+from IPython.display import Markdown, display
+print("two launches:")
+display(Markdown("*in a row*"))
 def job(rank, world_size):
     print("step", 0, flush=True)
     deadline = time.monotonic() + 120
@@ -40,9 +43,9 @@ course.launch(later, 2)
 # The ranks wait after their first line until the test has seen it in the live display (shown from
 # 0.5 s on, refreshed every 0.25 s: course.runtime.live.SHOW_AFTER and TICK), so the line provably arrived
 # while the launch still ran. In nbval's re-run the go file already exists: the same output, at once.
-# That display is the cell's first output: cleared at the end. The second launch's display (its ranks
-# wait in the same way) comes after the first one's replay: emptied. (course is imported by the cell before: outputs are counted from a
-# cell's start.)
+# Each display comes after the cell's other outputs (a print, a Markdown display; then the first launch's
+# replay): at its end the cell is cleared and they are sent again. (course is imported by the cell
+# before: outputs are noted from a cell's start.)
 
 
 class _Recording(NotebookClient):
@@ -83,19 +86,19 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_met
         os.environ.clear()
         os.environ.update(env_before)
     assert go.exists(), f"the live display showed no rank's line while the launch ran: {client.updates}"
-    assert client.updates[-1] == {} and client.cleared == 1  # the first display cleared, the second emptied
+    assert client.cleared == 2  # each display taken away, with the outputs before it sent again
     outputs = nb.cells[1].outputs
-    kinds = [o.output_type for o in outputs]
-    assert kinds.count("display_data") == 1, kinds  # the second display, emptied; nothing of the first
-    first, second = outputs[:kinds.index("display_data")], outputs[kinds.index("display_data") + 1:]
-    text = "".join(o.get("text", "") for o in first if o.output_type == "stream")
-    assert text == "".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
-    assert "".join(o.get("text", "") for o in second) == "[rank 0] later\n[rank 1] later\n"
-    assert outputs[kinds.index("display_data")].data == {}
+    assert [o for o in outputs if o.output_type == "display_data" and not o.data] == []  # none left empty
+    assert [o.output_type for o in outputs if o.output_type != "stream"] == ["display_data", "execute_result"], outputs
+    assert outputs[0].text == "two launches:\n" and outputs[1].data["text/markdown"] == "*in a row*"
+    text = "".join(o.get("text", "") for o in outputs[2:])
+    assert text == ("".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
+                    + "[rank 0] later\n[rank 1] later\n")  # each launch's replay once, in order
     path = tmp_path / "slow.ipynb"
     nbformat.write(nb, path)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env", str(path)],
+        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-p", "conftest", "--nbval", "--nbval-current-env",
+         str(path)],  # conftest: nbval applies clear_output
         capture_output=True, text=True, cwd=tmp_path, env=_kernel_env(start_method), timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
