@@ -165,3 +165,87 @@ def test_a_launch_with_nothing_to_show_yet_creates_no_display(tmp_path, monkeypa
     slow.update(running=[0])
     slow.close()
     assert created == ["display", {"text/plain": "[rank 0] working on rank 0"}, {}]
+
+
+def test_closing_sends_the_earlier_outputs_again_or_only_empties_what_it_cannot(tmp_path, monkeypatch):
+    """close(): the cell cleared (wait=True) and its earlier outputs, streams and displays, sent again
+    in their order; the live display itself not.
+    An earlier output it cannot send again as it was (an execute_result) or outputs not known: the
+    display is only emptied."""
+    import io
+
+    import IPython.display
+    from course.runtime import live
+
+    sent = []
+
+    class Handle:
+        display_id = "live"
+
+        def update(self, data, raw):
+            sent.append(("update", data))
+
+    class Out(io.StringIO):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def write(self, text):
+            sent.append((self.name, text))
+
+    class Job:
+        def output_path(self, rank):
+            return tmp_path / f"rank{rank}.txt"
+
+    monkeypatch.setattr(IPython.display, "display", lambda display_id: Handle())
+    monkeypatch.setattr(IPython.display, "clear_output", lambda wait=False: sent.append(("clear", wait)))
+    monkeypatch.setattr(IPython.display, "publish_display_data",
+                        lambda data, metadata=None, transient=None: sent.append(("display", data, transient)))
+    monkeypatch.setattr(live.sys, "stdout", Out("stdout"))
+    monkeypatch.setattr(live.sys, "stderr", Out("stderr"))
+    (tmp_path / "rank0.txt").write_text("working on rank 0\n")
+    earlier = [("stream", {"name": "stdout", "text": "a\n"}),
+               ("display_data", {"data": {"text/plain": "old"}, "transient": {"display_id": "mine"}}),
+               ("stream", {"name": "stderr", "text": "b\n"}),
+               ("display_data", {"data": {}, "transient": {"display_id": "live"}})]  # the live display
+    for outputs, expected in [
+        (earlier, [("clear", True), ("stdout", "a\n"), ("display", {"text/plain": "old"}, {"display_id": "mine"}),
+                   ("stderr", "b\n")]),
+        ([], [("clear", False)]),  # the display was the cell's only output
+        ([("execute_result", {"data": {"text/plain": "1"}})], [("update", {})]),
+        (None, [("update", {})]),  # not known: the cell that imported course
+    ]:
+        monkeypatch.setattr(live._Cell, "outputs", [(k, dict(c)) for k, c in outputs] if outputs is not None else None)
+        shown = live.LiveOutput(Job(), [0])
+        shown.started -= live.SHOW_AFTER
+        shown.update(running=[])
+        sent.clear()
+        shown.close()
+        assert sent == expected, (outputs, sent)
+
+
+def test_the_outputs_noted_hold_a_displays_latest_data(monkeypatch):
+    """count_outputs notes what goes through the kernel's Session.send, a display's updates applied
+    (what close() would send again is what the cell shows now); a clear starts afresh."""
+    from types import SimpleNamespace
+
+    from course.runtime import live
+
+    session = SimpleNamespace(send=lambda stream, msg_or_type, content=None, *a, **k: None)
+    hooks = []
+    shell = SimpleNamespace(kernel=SimpleNamespace(session=session), display_pub=SimpleNamespace(session=session),
+                            events=SimpleNamespace(register=lambda event, f: hooks.append(f)))
+    monkeypatch.setattr(live.sys, "stdout", SimpleNamespace(session=session))
+    monkeypatch.setattr(live.sys, "stderr", SimpleNamespace(session=session))
+    monkeypatch.setattr(live, "_counting", [])
+    monkeypatch.setattr(live._Cell, "outputs", None)
+    live.count_outputs(shell)
+    hooks[0](None)  # pre_run_cell
+    session.send(None, "stream", {"name": "stdout", "text": "a\n"})
+    session.send(None, "display_data", {"data": {"text/plain": "0 %"}, "transient": {"display_id": "bar"}})
+    session.send(None, "update_display_data", {"data": {"text/plain": "100 %"}, "transient": {"display_id": "bar"}})
+    assert live._Cell.outputs == [("stream", {"name": "stdout", "text": "a\n"}),
+                                  ("display_data", {"data": {"text/plain": "100 %"}, "metadata": {},
+                                                    "transient": {"display_id": "bar"}})]
+    session.send(None, {"header": {"msg_type": "clear_output"}, "content": {"wait": False}})
+    assert live._Cell.outputs == []
