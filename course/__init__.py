@@ -22,9 +22,10 @@ if sys.argv[:1] == ["-m"] and getattr(sys, "orig_argv", [])[-len(sys.argv) - 1:]
     # course/__main__.py). From here until the command begins (course/__main__.py: begin()), Ctrl-C
     # ends it at once in one line, exit status 130 (what a shell reports for Ctrl-C): nothing to
     # clean up exists yet. `_signal` is the C half of `signal`, ready at once (`import signal`
-    # builds its enums first: tens of milliseconds under load). A press before this line, in
-    # Python's own start-up (interpreter, site, runpy: ~0.05 s quiet, 0.1-0.15 s at load 8), is
-    # still Python's KeyboardInterrupt traceback, or the bare signal before Python handles it.
+    # builds its enums first: tens of milliseconds under load). What remains: a press before this
+    # line, in Python's own start-up (interpreter, site, runpy; site's imports alone took 0.05 s at
+    # load 5; at load 8 presses at 0.05-0.12 s mostly landed there, at 0.2 s never), is Python's
+    # KeyboardInterrupt traceback, or, before Python handles SIGINT at all, the bare signal (exit -2).
     import _signal
     import os
 
