@@ -89,6 +89,38 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda i: not _is_notebook_cell(i))  # stable: notebooks first, in order
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """nbval 0.11 ignores ``clear_output``, which every frontend and nbclient (the build) apply: a
+    launch's live display ends with one, followed by the cell's earlier outputs again
+    (course.runtime.live), which nbval would see twice. While a notebook cell runs, nbval's reading
+    of the kernel's messages applies it as nbclient does (``wait=True``: at the next output).
+    tests/test_live.py runs nbval with this file as a plugin (``-p conftest``)."""
+    notebook = getattr(item, "parent", None)
+    if not _is_notebook_cell(item) or not hasattr(notebook, "get_kernel_message"):
+        yield
+        return
+    read, cell, pending = notebook.get_kernel_message, [], []
+
+    def get_kernel_message(*args, **kwargs):
+        msg = read(*args, **kwargs)
+        kind, parent = msg["msg_type"], msg["parent_header"].get("msg_id")
+        if kind == "execute_input":
+            cell[:] = [parent]  # the messages of this cell's execution: nbval drops the others
+        elif parent in cell and kind == "clear_output" and msg["content"].get("wait"):
+            pending[:] = [True]
+        elif parent in cell and (kind == "clear_output" or kind in ("stream", "display_data", "execute_result", "error") and pending):
+            pending.clear()
+            item.test_outputs.clear()  # nbval's list of the cell's outputs, filled after this returns
+        return msg
+
+    notebook.get_kernel_message = get_kernel_message
+    try:
+        yield
+    finally:
+        del notebook.get_kernel_message
+
+
 TIMELINE = "COURSE_TEST_TIMELINE"  # a file: each test's worker, file, start and end are appended to it
 
 

@@ -1,7 +1,14 @@
 """Command line: ``python -m course doctor``, ``build``, ``site``, ``grade`` (instructors) and ``progress`` (students)."""
 
 import argparse
+import signal
 import sys
+
+
+def begin():
+    """The command begins: Ctrl-C is its own to handle again (KeyboardInterrupt; each command stops
+    cleanly, in one line). Until now it ended the process at once (course/__init__.py)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv=None):
@@ -31,13 +38,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.command in ("grade", "progress"):
-        try:
-            from course.classroom import grading
-        except KeyboardInterrupt:  # Ctrl-C while it starts (imports take seconds): one line, as later
-            print(f"{args.command} stopped (Ctrl-C) before it began: nothing graded", file=sys.stderr)
-            return 130
+        from course.classroom import grading  # seconds (torch): a Ctrl-C meanwhile is one line (course/__init__.py)
 
         limits = grading.Limits(cell=args.cell_timeout, notebook=args.notebook_timeout, check=args.check_timeout)
+        begin()
         if args.command == "grade":
             return grading.grade(args.submissions, args.csv, limits, args.jobs, sealed=not args.no_sandbox,
                                  resources=grading.sandbox.Resources(cpu=args.cpu_limit))
@@ -45,10 +49,12 @@ def main(argv=None):
     if args.command == "doctor":
         from course.classroom.doctor import doctor
 
+        begin()
         return doctor()
     if args.command == "site":
         from course.classroom import site
 
+        begin()
         try:
             site.build(args.out or site.OUT)
         except site.SiteError as e:
@@ -57,9 +63,15 @@ def main(argv=None):
         return 0
     from course.classroom.notebooks import build as build_notebooks
 
+    begin()
     build_notebooks(args.names, run=not args.no_execute)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Done: a later Ctrl-C (a second press; one that arrives while Python shuts down, after it has
+    # given SIGINT back to the system's default, would end the process by the signal, status -2,
+    # instead of 130) changes nothing now.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)

@@ -7,7 +7,8 @@ temporary folder: JupyterLab's autosave must not touch notebooks/) and checks wh
 * an exercise check, ``hint()`` and ``solution()`` render as Markdown: code as code, emphasis as
   emphasis, words never broken (the solution's code scrolls in a narrow window), its code highlighted;
 * Kernel > Interrupt during a launch ends in one line, with each rank's output shown once; so does
-  an interrupt that lands as a cell of short launches starts its next launch (issue 39).
+  an interrupt that lands as a cell of short launches starts its next launch (issue 39);
+* saved, the notebook holds no emptied live display, also where the cell showed output before it.
 
 Skipped, saying why, where Playwright or Chromium is missing (``.ci/run`` installs both and sets
 COURSE_REQUIRE_BROWSER, which turns the skip into an error). About a minute (the kernel imports
@@ -51,6 +52,7 @@ if MISSING:
 # Cells appended to the student notebook, run by the test (the notebook's own ones run first).
 SLOW_LAUNCH = """\
 from pathlib import Path
+print("a launch that lasts:")  # output before the live display: it must not leave an emptied one
 def job(rank, world_size):
     print("step", 0, flush=True)
     deadline = time.monotonic() + 120
@@ -208,6 +210,7 @@ def _session(page, url, go):
     go.touch()
     _finished(launch)
     assert launch.locator(".jp-OutputArea").inner_text().count("[rank 0] step 0") == 1
+    assert launch.locator(".jp-OutputArea").inner_text().count("a launch that lasts:") == 1  # shown again once
     assert "[rank 1] step 1" in launch.locator(".jp-OutputArea").inner_text()
 
     # A wrong answer's verdict, a hint and a solution, rendered.
@@ -262,3 +265,16 @@ def _session(page, url, go):
     assert output.count("[rank 0] launch 0") == 1 and output.count("[rank 1] launch 1") <= 1, output
     assert re.search(r"⏹ KeyboardInterrupt: interrupted (after|at Cell In\[\d+\], line \d+ while no rank)", output), output
     assert "Traceback" not in output and "Exception ignored" not in output, output
+
+    # Saved (Ctrl+S), the notebook holds no emptied live display: not after the print of the slow
+    # launch's cell, nor after the first of several launches in a cell (course.runtime.live).
+    page.keyboard.press("Control+s")
+    tab = page.locator("#jp-main-dock-panel .lm-TabBar-tab").first
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while "jp-mod-dirty" in tab.get_attribute("class") and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    saved = nbformat.read(Path(go.parent, "served", NOTEBOOK), as_version=4)
+    empty = [(i, o) for i, c in enumerate(saved.cells) if c.cell_type == "code"
+             for o in c.outputs if o.output_type == "display_data" and not o.get("data")]
+    assert empty == [], empty
+    assert "a launch that lasts:" in "".join(o.get("text", "") for o in saved.cells[first_test_cell].outputs)

@@ -55,7 +55,19 @@ def _run(kernel, code, when=None):
 
 
 def _streams(messages):
-    return "".join(c["text"] for _, kind, c in messages if kind == "stream")
+    """The text the cell shows in the end, as a frontend (and nbclient) shows it: ``clear_output``
+    applied, ``wait=True`` at the next output (a live display is taken away so, and the cell's
+    earlier outputs sent again: course.runtime.live)."""
+    shown, pending = [], False
+    for _, kind, c in messages:
+        if kind == "clear_output":
+            shown, pending = ([], False) if not c.get("wait") else (shown, True)
+        elif kind in ("stream", "display_data", "execute_result", "error"):
+            if pending:
+                shown, pending = [], False
+            if kind == "stream":
+                shown.append(c["text"])
+    return "".join(shown)
 
 
 def _unwrapped(plain):

@@ -21,6 +21,9 @@ def _kernel_env(start_method="fork"):
 
 SLOW_CELL = """\
 from pathlib import Path
+from IPython.display import Markdown, display
+print("two launches:")
+display(Markdown("*in a row*"))
 def job(rank, world_size):
     print("step", 0, flush=True)
     deadline = time.monotonic() + 120
@@ -40,9 +43,9 @@ course.launch(later, 2)
 # The ranks wait after their first line until the test has seen it in the live display (shown from
 # 0.5 s on, refreshed every 0.25 s: course.runtime.live.SHOW_AFTER and TICK), so the line provably arrived
 # while the launch still ran. In nbval's re-run the go file already exists: the same output, at once.
-# That display is the cell's first output: cleared at the end. The second launch's display (its ranks
-# wait in the same way) comes after the first one's replay: emptied. (course is imported by the cell before: outputs are counted from a
-# cell's start.)
+# Each display comes after the cell's other outputs (a print, a Markdown display; then the first launch's
+# replay): at its end the cell is cleared and they are sent again. (course is imported by the cell
+# before: outputs are noted from a cell's start.)
 
 
 class _Recording(NotebookClient):
@@ -83,19 +86,19 @@ def test_stored_and_compared_outputs_agree_for_a_slow_launch(tmp_path, start_met
         os.environ.clear()
         os.environ.update(env_before)
     assert go.exists(), f"the live display showed no rank's line while the launch ran: {client.updates}"
-    assert client.updates[-1] == {} and client.cleared == 1  # the first display cleared, the second emptied
+    assert client.cleared == 2  # each display taken away, with the outputs before it sent again
     outputs = nb.cells[1].outputs
-    kinds = [o.output_type for o in outputs]
-    assert kinds.count("display_data") == 1, kinds  # the second display, emptied; nothing of the first
-    first, second = outputs[:kinds.index("display_data")], outputs[kinds.index("display_data") + 1:]
-    text = "".join(o.get("text", "") for o in first if o.output_type == "stream")
-    assert text == "".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
-    assert "".join(o.get("text", "") for o in second) == "[rank 0] later\n[rank 1] later\n"
-    assert outputs[kinds.index("display_data")].data == {}
+    assert [o for o in outputs if o.output_type == "display_data" and not o.data] == []  # none left empty
+    assert [o.output_type for o in outputs if o.output_type != "stream"] == ["display_data", "execute_result"], outputs
+    assert outputs[0].text == "two launches:\n" and outputs[1].data["text/markdown"] == "*in a row*"
+    text = "".join(o.get("text", "") for o in outputs[2:])
+    assert text == ("".join(f"[rank {r}] step {s}\n" for r in range(2) for s in range(3)) + "[0, 1]\n"
+                    + "[rank 0] later\n[rank 1] later\n")  # each launch's replay once, in order
     path = tmp_path / "slow.ipynb"
     nbformat.write(nb, path)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env", str(path)],
+        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-p", "conftest", "--nbval", "--nbval-current-env",
+         str(path)],  # conftest: nbval applies clear_output
         capture_output=True, text=True, cwd=tmp_path, env=_kernel_env(start_method), timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -162,3 +165,87 @@ def test_a_launch_with_nothing_to_show_yet_creates_no_display(tmp_path, monkeypa
     slow.update(running=[0])
     slow.close()
     assert created == ["display", {"text/plain": "[rank 0] working on rank 0"}, {}]
+
+
+def test_closing_sends_the_earlier_outputs_again_or_only_empties_what_it_cannot(tmp_path, monkeypatch):
+    """close(): the cell cleared (wait=True) and its earlier outputs, streams and displays, sent again
+    in their order; the live display itself not.
+    An earlier output it cannot send again as it was (an execute_result) or outputs not known: the
+    display is only emptied."""
+    import io
+
+    import IPython.display
+    from course.runtime import live
+
+    sent = []
+
+    class Handle:
+        display_id = "live"
+
+        def update(self, data, raw):
+            sent.append(("update", data))
+
+    class Out(io.StringIO):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def write(self, text):
+            sent.append((self.name, text))
+
+    class Job:
+        def output_path(self, rank):
+            return tmp_path / f"rank{rank}.txt"
+
+    monkeypatch.setattr(IPython.display, "display", lambda display_id: Handle())
+    monkeypatch.setattr(IPython.display, "clear_output", lambda wait=False: sent.append(("clear", wait)))
+    monkeypatch.setattr(IPython.display, "publish_display_data",
+                        lambda data, metadata=None, transient=None: sent.append(("display", data, transient)))
+    monkeypatch.setattr(live.sys, "stdout", Out("stdout"))
+    monkeypatch.setattr(live.sys, "stderr", Out("stderr"))
+    (tmp_path / "rank0.txt").write_text("working on rank 0\n")
+    earlier = [("stream", {"name": "stdout", "text": "a\n"}),
+               ("display_data", {"data": {"text/plain": "old"}, "transient": {"display_id": "mine"}}),
+               ("stream", {"name": "stderr", "text": "b\n"}),
+               ("display_data", {"data": {}, "transient": {"display_id": "live"}})]  # the live display
+    for outputs, expected in [
+        (earlier, [("clear", True), ("stdout", "a\n"), ("display", {"text/plain": "old"}, {"display_id": "mine"}),
+                   ("stderr", "b\n")]),
+        ([], [("clear", False)]),  # the display was the cell's only output
+        ([("execute_result", {"data": {"text/plain": "1"}})], [("update", {})]),
+        (None, [("update", {})]),  # not known: the cell that imported course
+    ]:
+        monkeypatch.setattr(live._Cell, "outputs", [(k, dict(c)) for k, c in outputs] if outputs is not None else None)
+        shown = live.LiveOutput(Job(), [0])
+        shown.started -= live.SHOW_AFTER
+        shown.update(running=[])
+        sent.clear()
+        shown.close()
+        assert sent == expected, (outputs, sent)
+
+
+def test_the_outputs_noted_hold_a_displays_latest_data(monkeypatch):
+    """count_outputs notes what goes through the kernel's Session.send, a display's updates applied
+    (what close() would send again is what the cell shows now); a clear starts afresh."""
+    from types import SimpleNamespace
+
+    from course.runtime import live
+
+    session = SimpleNamespace(send=lambda stream, msg_or_type, content=None, *a, **k: None)
+    hooks = []
+    shell = SimpleNamespace(kernel=SimpleNamespace(session=session), display_pub=SimpleNamespace(session=session),
+                            events=SimpleNamespace(register=lambda event, f: hooks.append(f)))
+    monkeypatch.setattr(live.sys, "stdout", SimpleNamespace(session=session))
+    monkeypatch.setattr(live.sys, "stderr", SimpleNamespace(session=session))
+    monkeypatch.setattr(live, "_counting", [])
+    monkeypatch.setattr(live._Cell, "outputs", None)
+    live.count_outputs(shell)
+    hooks[0](None)  # pre_run_cell
+    session.send(None, "stream", {"name": "stdout", "text": "a\n"})
+    session.send(None, "display_data", {"data": {"text/plain": "0 %"}, "transient": {"display_id": "bar"}})
+    session.send(None, "update_display_data", {"data": {"text/plain": "100 %"}, "transient": {"display_id": "bar"}})
+    assert live._Cell.outputs == [("stream", {"name": "stdout", "text": "a\n"}),
+                                  ("display_data", {"data": {"text/plain": "100 %"}, "metadata": {},
+                                                    "transient": {"display_id": "bar"}})]
+    session.send(None, {"header": {"msg_type": "clear_output"}, "content": {"wait": False}})
+    assert live._Cell.outputs == []

@@ -136,7 +136,7 @@ def execute(nb, cwd: Path, timeout: int = 600):
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
-        if cell.cell_type == "code":  # course.launch's live display, emptied when the launch ended
+        if cell.cell_type == "code":  # a live display only emptied (course.runtime.live: the cell that imports course)
             cell.outputs = [o for o in cell.outputs if not (o.output_type == "display_data" and not o.data)]
     return nb
 

@@ -16,11 +16,16 @@ compares equal under both, and nbval merges the stream output around it (the rep
 
 An emptied display is still an output: JupyterLab saves it (``{"output_type": "display_data",
 "data": {}}``), and no message removes one output, only ``clear_output``, which removes all of
-the cell's (JupyterLab 4.6, nbclient 0.11; nbval ignores it). So when the display is the cell's
-only output, it is cleared that way instead of emptied (nbclient then stores nothing, nbval still
-compares an empty display): :func:`count_outputs` counts what each cell has shown. After other
-output (a first launch's replay) it is emptied, and stays in a saved notebook
-(``python -m course build`` drops it from the solutions). Outside Jupyter nothing is shown.
+the cell's (JupyterLab 4.6, nbclient 0.11). So at the end the cell is cleared and what it showed
+before the display is shown again: :func:`count_outputs` notes each cell's outputs as they are
+sent, and :meth:`LiveOutput.close` sends ``clear_output(wait=True)`` (cleared when the next output
+arrives: no flicker) and then those outputs again. JupyterLab, classic Notebook, VS Code, Colab
+and nbclient all apply ``clear_output``; nbval 0.11 ignores it (it would see the earlier outputs
+twice), so the course's conftest.py teaches nbval to apply it as nbclient does. Where the cell's
+outputs are not known (the cell that imported course, a kernel that sends them otherwise) or hold
+something that cannot be sent again as it was (an ``execute_result``, an ``error``), the display is
+only emptied, and stays in a saved notebook (``python -m course build`` drops it from the
+solutions). Outside Jupyter nothing is shown.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ LINES = 20  # the display keeps the latest lines only
 
 _counting = []  # the shells count_outputs has hooked
 OUTPUTS = ("stream", "display_data", "execute_result", "error")  # what a cell's output area keeps
+RESENDABLE = ("stream", "display_data")  # what close() can send again exactly as it was
 
 
 class _Cell:
-    """The kinds of the outputs the running cell has sent so far (None: not known, e.g. in the cell
-    that imported course)."""
+    """The outputs the running cell has sent so far, as ``(kind, content)`` in order (None: not
+    known, e.g. in the cell that imported course)."""
 
     outputs = None
 
@@ -51,8 +57,9 @@ class _Cell:
 def count_outputs(shell):
     """In a Jupyter kernel (``shell``: IPython's), note each cell's outputs as ipykernel sends them,
     from the cell's start: its streams (sent from its I/O thread) and displays go through one
-    ``Session.send``, which this wraps. Once per kernel; a kernel that sends them otherwise
-    counts nothing (a live display is then always emptied, never cleared)."""
+    ``Session.send``, which this wraps; a display's updates are applied to what was noted. Once
+    per kernel; a kernel that sends them otherwise notes nothing (a live display is then always
+    emptied, never cleared)."""
     session = getattr(getattr(shell, "kernel", None), "session", None)
     senders = (getattr(sys.stdout, "session", None), getattr(sys.stderr, "session", None),
                getattr(shell.display_pub, "session", None))
@@ -63,15 +70,23 @@ def count_outputs(shell):
 
     def counted(stream, msg_or_type, content=None, *args, **kwargs):
         kind = msg_or_type if isinstance(msg_or_type, str) else msg_or_type["header"]["msg_type"]
+        sent = (content if isinstance(msg_or_type, str) else msg_or_type["content"]) or {}
         if kind == "clear_output":  # wait=True clears only at the next output: not known meanwhile
-            wait = (content if isinstance(msg_or_type, str) else msg_or_type["content"]) or {}
-            _Cell.outputs = None if wait.get("wait") else []
+            _Cell.outputs = None if sent.get("wait") else []
         elif kind in OUTPUTS and _Cell.outputs is not None:
-            _Cell.outputs.append(kind)
+            _Cell.outputs.append((kind, dict(sent)))
+        elif kind == "update_display_data" and _Cell.outputs is not None:
+            for _, shown in _Cell.outputs:
+                if _display_id(shown) == _display_id(sent):
+                    shown.update(data=sent.get("data", {}), metadata=sent.get("metadata", {}))
         return send(stream, msg_or_type, content, *args, **kwargs)
 
     session.send = counted
     shell.events.register("pre_run_cell", lambda info: setattr(_Cell, "outputs", []))
+
+
+def _display_id(content):
+    return (content.get("transient") or {}).get("display_id")
 
 
 def in_jupyter() -> bool:
@@ -116,18 +131,31 @@ class LiveOutput:
             self.handle.update({"text/plain": text}, raw=True)
 
     def close(self):
-        """Empty the display, or clear the cell if it is its only output (see the module's doc):
-        the launch's rank-ordered replay follows."""
+        """Take the display away before the launch's rank-ordered replay follows: clear the cell
+        and show again what it showed before the display (see the module's doc), or, where that
+        is not known, empty the display."""
         if not self.shown:
             return
-        sys.stdout.flush()  # anything printed meanwhile is sent, and counted, before we look
+        sys.stdout.flush()  # anything printed meanwhile is sent, and noted, before we look
         sys.stderr.flush()
-        if _Cell.outputs == ["display_data"]:
-            from IPython.display import clear_output
-
-            clear_output()
-        else:
+        before = _Cell.outputs
+        if before is not None:
+            before = [(kind, c) for kind, c in before if _display_id(c) != self.handle.display_id]
+        if before is None or any(kind not in RESENDABLE for kind, _ in before):
             self.handle.update({}, raw=True)
+            return
+        from IPython.display import clear_output, publish_display_data
+
+        clear_output(wait=bool(before))  # wait: the cell is cleared as the first output comes again
+        _Cell.outputs = []  # what is sent again is noted again
+        for kind, content in before:
+            if kind == "stream":
+                out = sys.stderr if content.get("name") == "stderr" else sys.stdout
+                out.write(content.get("text", ""))
+                out.flush()  # in order with the displays around it
+            else:
+                publish_display_data(content.get("data", {}), content.get("metadata"),
+                                     transient=content.get("transient"))
 
     def _read(self, rank):
         try:
