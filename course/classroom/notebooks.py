@@ -238,8 +238,9 @@ def _cell_names(source: str):
             sure = imports if isinstance(stmt, (ast.Import, ast.ImportFrom)) else set()
         binds |= sure
         stored, passed = mutations(own_code(stmt))
+        defines = stmt.name if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
         n["statements"].append({"reads": reads & global_names - surely_bound, "binds": binds, "sure": sure,
-                                "stored": stored, "passed": passed, "imports": imports})
+                                "stored": stored, "passed": passed, "imports": imports, "defines": defines})
         n["imports"] |= imports
         surely_bound |= sure
     n["reads"] = set().union(*(s["reads"] for s in n["statements"]))
@@ -279,7 +280,9 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     # functions change; one that does not, rebinds its names to the solution run's values.
     # A cell that differs from the solution depends on the stub, and so does all it reads.
     # What a statement imports is the same object in both versions (from course.checks import nb03 as check).
-    tainted, dependent, functions = set(), set(), {}
+    # A function's or class's description holds from its definition until its name is rebound
+    # (RingAttention = context_parallel.RingAttention: the course's class, not the notebook's).
+    tainted, dependent, functions, current = set(), set(), {}, {}
     for i, cell in cells:
         n = names[i]
         if n is None:
@@ -287,12 +290,16 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
             continue
         differs = (solution.get(cell.get("id")) or "").rstrip() != cell.source.rstrip()  # the build drops trailing newlines
         for s in n["statements"]:
-            if differs or (s["reads"] | _closure(s["reads"], functions, "uses")) & tainted:
+            if differs or (s["reads"] | _closure(s["reads"], current, "uses")) & tainted:
                 dependent.add(i)
-                tainted |= (changes(s) - s["imports"]) | (_closure(s["reads"], functions, "changes") - modules - defined)
+                tainted |= (changes(s) - s["imports"]) | (_closure(s["reads"], current, "changes") - modules - defined)
                 tainted |= s["reads"] - modules if differs else set()
             else:
                 tainted -= s["sure"]
+            for name in s["binds"]:
+                current.pop(name, None)
+            if s["defines"]:
+                current[s["defines"]] = n["functions"][s["defines"]]
         functions.update(n["functions"])
     # backward: keep the dependent cells and whatever they (or the functions they call) need
     needed, keep = set(), []
