@@ -246,6 +246,18 @@ def test_a_function_rebound_to_the_courses_no_longer_reads_the_stub():
     assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c2", "c4", "c5"]
 
 
+def test_an_exercise_that_calls_a_notebook_function_does_not_change_it():
+    # Notebook 10: the OverlapPerParameter stub keeps replicate(model); the later cells that call
+    # replicate call the same function in both runs. What the exercise reads otherwise may change.
+    solution, student = _pair(
+        "def replicate(m):\n    return m\nmodel = [1]",
+        "def f(m):\n    replicate(model)\n    # BEGIN SOLUTION\n    return m\n    # END SOLUTION",  # c1
+        "print(replicate(2))",                                     # c2: the same function in both runs
+        "print(model)",                                            # c3: the exercise read model: may change it
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c3"]
+
+
 def test_a_loop_or_with_target_is_bound_before_its_body_reads_it():
     solution, student = _pair(
         "answer = 3  # SOLUTION",

@@ -278,7 +278,8 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     # forward: which statements depend on a stub. One that reads a dependent name, directly
     # or through a function it calls, may change whatever it changes and whatever those
     # functions change; one that does not, rebinds its names to the solution run's values.
-    # A cell that differs from the solution depends on the stub, and so does all it reads.
+    # A cell that differs from the solution depends on the stub, and so does all it reads but the
+    # notebook's functions (calling one changes what the function changes, as above).
     # What a statement imports is the same object in both versions (from course.checks import nb03 as check).
     # A function's or class's description holds from its definition until its name is rebound
     # (RingAttention = context_parallel.RingAttention: the course's class, not the notebook's).
@@ -293,7 +294,7 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
             if differs or (s["reads"] | _closure(s["reads"], current, "uses")) & tainted:
                 dependent.add(i)
                 tainted |= (changes(s) - s["imports"]) | (_closure(s["reads"], current, "changes") - modules - defined)
-                tainted |= s["reads"] - modules if differs else set()
+                tainted |= s["reads"] - modules - set(current) if differs else set()  # reading a function changes nothing
             else:
                 tainted -= s["sure"]
             for name in s["binds"]:
