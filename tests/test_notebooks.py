@@ -258,6 +258,18 @@ def test_an_exercise_that_calls_a_notebook_function_does_not_change_it():
     assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c3"]
 
 
+def test_passing_a_number_to_the_stub_does_not_change_it():
+    # Notebook 16: yours = interleaved_1f1b(P, M, V) cannot change P, M or V, bound to numbers.
+    solution, student = _pair(
+        "P, M = 4, 2 ** 3\nlog = []",
+        "def f(*a):\n    # BEGIN SOLUTION\n    return a\n    # END SOLUTION",  # c1: the exercise
+        "yours = f(P, M, log)",                                               # c2: calls the stub
+        "print(P * M)",                                                       # c3: the same numbers
+        "print(log)",                                                         # c4: a list f may change
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c2", "c4"]
+
+
 def test_a_loop_or_with_target_is_bound_before_its_body_reads_it():
     solution, student = _pair(
         "answer = 3  # SOLUTION",
