@@ -20,6 +20,8 @@ from course.observe import tracing
 from course.parallel import collectives, data_parallel
 from course.classroom.notebooks import SOLUTIONS, solution_code
 
+NOTEBOOK = SOLUTIONS / "10_ddp_from_scratch.ipynb"
+
 SIZES = [0, 1, 2, 5, 12, 1001]
 
 
@@ -144,6 +146,11 @@ def _ddp_trained():
     return launch(_train, 2, "ddp", backend="traced", show=None, timeout=120)[0][0]
 
 
+# Notebook 10's check_against_ddp asserts the same of the same three classes (the package's code:
+# test_notebook_derives_the_packages_code), on the same Net, data and optimizer: replicas identical,
+# DDP's weights bit for bit, trained, and 12, 12 and 3 all-reduces per step; nbval compares its output.
+@pytest.mark.repeats_solution_notebook
+@pytest.mark.parametrize("path", [NOTEBOOK], ids=lambda p: p.stem)
 @pytest.mark.parametrize(
     "kind, options, all_reduces_per_step",
     [
@@ -152,7 +159,7 @@ def _ddp_trained():
         ("BucketedDataParallel", BUCKETED, 3),  # 16,640 B per layer, a 20,972 B cap: [head, 4, 3] [2, 1] [0]
     ],
 )
-def test_each_from_scratch_dp_gives_ddps_weights(kind, options, all_reduces_per_step):
+def test_each_from_scratch_dp_gives_ddps_weights(kind, options, all_reduces_per_step, path):
     reference = _ddp_trained()
     ranks = launch(_train, 2, kind, 4, None, options, backend="traced", show=None, timeout=120)
     weights, counts = ranks[0]
@@ -283,7 +290,6 @@ def test_each_from_scratch_dp_is_a_drop_in_for_ddp_on_ranks_initialised_differen
 
 # ------------------------------------------------------------------ the notebook shows the package's code
 
-NOTEBOOK = SOLUTIONS / "10_ddp_from_scratch.ipynb"
 
 
 def _defining_cell(nb, name):

@@ -231,6 +231,45 @@ def test_student_run_follows_statements_and_functions():
     assert kept == ["c0", "c1", "c2", "c3", "c5", "c6", "c7"]
 
 
+def test_a_function_rebound_to_the_courses_no_longer_reads_the_stub():
+    # Notebook 14: the notebook's RingAttention calls the stub ring_forward; then the cell rebinds
+    # RingAttention to the course's class, and the cells after it use that one.
+    solution, student = _pair(
+        "import course",
+        "def ring(x):\n    # BEGIN SOLUTION\n    return x\n    # END SOLUTION",       # c1: the exercise
+        "class Ring:\n    def apply(x):\n        return ring(x)\n\n\nRing = course.Ring",  # c2
+        "print(Ring.apply(1))",                                                    # c3: the course's Ring
+        "class Mine:\n    def apply(x):\n        return ring(x)",                     # c4
+        "print(Mine.apply(1))",                                                    # c5: still the stub
+        "Mine = 1\nprint(Mine)",                                                    # c6: rebound
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c2", "c4", "c5"]
+
+
+def test_an_exercise_that_calls_a_notebook_function_does_not_change_it():
+    # Notebook 10: the OverlapPerParameter stub keeps replicate(model); the later cells that call
+    # replicate call the same function in both runs. What the exercise reads otherwise may change.
+    solution, student = _pair(
+        "def replicate(m):\n    return m\nmodel = [1]",
+        "def f(m):\n    replicate(model)\n    # BEGIN SOLUTION\n    return m\n    # END SOLUTION",  # c1
+        "print(replicate(2))",                                     # c2: the same function in both runs
+        "print(model)",                                            # c3: the exercise read model: may change it
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c3"]
+
+
+def test_passing_a_number_to_the_stub_does_not_change_it():
+    # Notebook 16: yours = interleaved_1f1b(P, M, V) cannot change P, M or V, bound to numbers.
+    solution, student = _pair(
+        "P, M = 4, 2 ** 3\nlog = []",
+        "def f(*a):\n    # BEGIN SOLUTION\n    return a\n    # END SOLUTION",  # c1: the exercise
+        "yours = f(P, M, log)",                                               # c2: calls the stub
+        "print(P * M)",                                                       # c3: the same numbers
+        "print(log)",                                                         # c4: a list f may change
+    )
+    assert notebooks.student_cells_to_run(solution, student) == ["c0", "c1", "c2", "c4"]
+
+
 def test_a_loop_or_with_target_is_bound_before_its_body_reads_it():
     solution, student = _pair(
         "answer = 3  # SOLUTION",

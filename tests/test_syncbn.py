@@ -300,29 +300,38 @@ def _ddp_job(rank, world_size, sync):
     return model.state_dict()
 
 
+def _ddp_jobs(rank, world_size):
+    """_ddp_job with the converted model, then with plain BatchNorm, in the same ranks."""
+    return _ddp_job(rank, world_size, True), _ddp_job(rank, world_size, False)
+
+
 def test_ddp_with_converted_model_matches_single_process_large_batch_training():
     reference = _model()
     _train(reference)
     expected = reference.state_dict()
-    for state in launch(_ddp_job, WORLD, True, show=None, timeout=60):
+    ranks = launch(_ddp_jobs, WORLD, show=None, timeout=60)
+    for state, _ in ranks:
         assert state.keys() == expected.keys()
         for key, value in expected.items():
             assert torch.allclose(state[key], value, rtol=1e-10, atol=1e-12), key
 
     # The same DDP run with plain BatchNorm does not match: the test can tell the difference.
-    plain = launch(_ddp_job, WORLD, False, show=None, timeout=60)[0]
+    plain = ranks[0][1]
     assert not torch.allclose(plain["0.weight"], expected["0.weight"], rtol=1e-4, atol=1e-6)
 
 
-def _notebook_and_package(rank, world_size, code, batches):
+def _notebook_and_package(rank, world_size, code, cases):
     from course.parallel import syncbn
 
     namespace = {"torch": torch, "dist": dist, "nn": nn}
     exec(code, namespace)  # notebook 06's solution of Exercise 1
-    mine = batches[rank]
-    mean, var = namespace["global_mean_var"](mine.clone())
-    package_mean, package_var, _ = syncbn.global_mean_var(mine.clone())
-    return mean, var, package_mean, package_var
+    results = []
+    for batches in cases:
+        mine = batches[rank]
+        mean, var = namespace["global_mean_var"](mine.clone())
+        package_mean, package_var, _ = syncbn.global_mean_var(mine.clone())
+        results.append((mean, var, package_mean, package_var))
+    return results
 
 
 def test_package_global_mean_var_is_the_notebooks():
@@ -330,8 +339,11 @@ def test_package_global_mean_var_is_the_notebooks():
     from course.classroom.exercises import solutions
 
     g = torch.Generator().manual_seed(0)
-    for dtype, shift in ((torch.float64, 0.0), (torch.float32, 10_000.0)):
-        batches = [(torch.randn(n, CHANNELS, generator=g, dtype=torch.float64) + shift + r).to(dtype) for r, n in enumerate((5, 1, 10))]
-        for mean, var, package_mean, package_var in launch(_notebook_and_package, 3, solutions()["06"]["global_mean_var"], batches, show=None, timeout=60):
+    cases = [[(torch.randn(n, CHANNELS, generator=g, dtype=torch.float64) + shift + r).to(dtype) for r, n in enumerate((5, 1, 10))]
+             for dtype, shift in ((torch.float64, 0.0), (torch.float32, 10_000.0))]
+    ranks = launch(_notebook_and_package, 3, solutions()["06"]["global_mean_var"], cases, show=None, timeout=60)
+    for results in ranks:
+        assert len(results) == 2
+        for mean, var, package_mean, package_var in results:
             assert torch.allclose(mean.double(), package_mean, rtol=1e-12, atol=1e-9)
             assert torch.allclose(var.double(), package_var, rtol=1e-9, atol=1e-9)

@@ -202,6 +202,13 @@ def _cell_names(source: str):
     def names_in(*targets):
         return {x.id for t in targets if t is not None for x in ast.walk(t) if isinstance(x, ast.Name)}
 
+    def literal(node):  # a number, string, ... or a tuple of them: nothing a call could change
+        if isinstance(node, ast.Tuple):
+            return all(map(literal, node.elts))
+        if isinstance(node, (ast.UnaryOp, ast.BinOp)):
+            return all(literal(c) for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr))
+        return isinstance(node, ast.Constant)
+
     def mutations(nodes):
         stored, passed = set(), set()
         for node in nodes:
@@ -238,8 +245,11 @@ def _cell_names(source: str):
             sure = imports if isinstance(stmt, (ast.Import, ast.ImportFrom)) else set()
         binds |= sure
         stored, passed = mutations(own_code(stmt))
+        defines = stmt.name if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+        constants = names_in(*stmt.targets) if isinstance(stmt, ast.Assign) and literal(stmt.value) else set()
         n["statements"].append({"reads": reads & global_names - surely_bound, "binds": binds, "sure": sure,
-                                "stored": stored, "passed": passed, "imports": imports})
+                                "stored": stored, "passed": passed, "imports": imports, "defines": defines,
+                                "constants": constants})
         n["imports"] |= imports
         surely_bound |= sure
     n["reads"] = set().union(*(s["reads"] for s in n["statements"]))
@@ -271,15 +281,19 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
     # What a statement may change: what it binds or stores into, and what it passes to a
     # call, except a module (torch.manual_seed(0), course.launch(...) change no object of
     # the notebook's) or a function or class of the notebook's (launch(train, 2)).
-    def changes(s):
-        return s["binds"] | s["stored"] | (s["passed"] - modules - defined)
+    # Nor does passing a name bound to a literal change it (P, M = 4, 8; f(P, M)).
+    def changes(s, constants=frozenset()):
+        return s["binds"] | s["stored"] | (s["passed"] - modules - defined - constants)
 
     # forward: which statements depend on a stub. One that reads a dependent name, directly
     # or through a function it calls, may change whatever it changes and whatever those
     # functions change; one that does not, rebinds its names to the solution run's values.
-    # A cell that differs from the solution depends on the stub, and so does all it reads.
+    # A cell that differs from the solution depends on the stub, and so does all it reads but the
+    # notebook's functions (calling one changes what the function changes, as above).
     # What a statement imports is the same object in both versions (from course.checks import nb03 as check).
-    tainted, dependent, functions = set(), set(), {}
+    # A function's or class's description holds from its definition until its name is rebound
+    # (RingAttention = context_parallel.RingAttention: the course's class, not the notebook's).
+    tainted, dependent, functions, current, constants = set(), set(), {}, {}, set()
     for i, cell in cells:
         n = names[i]
         if n is None:
@@ -287,12 +301,18 @@ def student_cells_to_run(solution_nb, student_nb) -> list[str]:
             continue
         differs = (solution.get(cell.get("id")) or "").rstrip() != cell.source.rstrip()  # the build drops trailing newlines
         for s in n["statements"]:
-            if differs or (s["reads"] | _closure(s["reads"], functions, "uses")) & tainted:
+            if differs or (s["reads"] | _closure(s["reads"], current, "uses")) & tainted:
                 dependent.add(i)
-                tainted |= (changes(s) - s["imports"]) | (_closure(s["reads"], functions, "changes") - modules - defined)
-                tainted |= s["reads"] - modules if differs else set()
+                tainted |= changes(s, constants) - s["imports"]
+                tainted |= _closure(s["reads"], current, "changes") - modules - defined - constants
+                tainted |= s["reads"] - modules - set(current) if differs else set()  # reading a function changes nothing
             else:
                 tainted -= s["sure"]
+            for name in s["binds"]:
+                current.pop(name, None)
+            constants = (constants - s["binds"]) | s["constants"]
+            if s["defines"]:
+                current[s["defines"]] = n["functions"][s["defines"]]
         functions.update(n["functions"])
     # backward: keep the dependent cells and whatever they (or the functions they call) need
     needed, keep = set(), []
