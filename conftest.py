@@ -37,6 +37,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import signal
+
+# A shell without job control (a script's `pytest ... &`, nohup in the background) starts a
+# background command with SIGINT ignored, and an ignored SIGINT is inherited by every process
+# started from it, Python keeping it ignored: the tests that press Ctrl-C at ranks, judges and
+# kernels would then see every press lost. Take SIGINT as an interactive Python does; processes
+# this one starts then begin with SIGINT at its default (a handler does not survive exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ROOT = Path(__file__).parent
 SOLUTION_DIR = ROOT / "solutions"
 STUDENT_DIR = ROOT / "notebooks"
