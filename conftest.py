@@ -31,13 +31,12 @@ nbval runs every notebook it collects, one pytest item per code cell.
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-
-import signal
 
 # A shell without job control (a script's `pytest ... &`, nohup in the background) starts a
 # background command with SIGINT ignored, and an ignored SIGINT is inherited by every process

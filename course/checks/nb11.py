@@ -2,10 +2,10 @@
 
 import contextlib
 import functools
-from dataclasses import replace
 import math
 import sys
 import textwrap
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
