@@ -331,3 +331,22 @@ def test_solutions_carry_no_empty_outputs(name):
     empty = [cell.get("id") for cell in nb.cells if cell.cell_type == "code"
              for output in cell.outputs if output.output_type == "display_data" and not output.get("data")]
     assert empty == []
+
+
+def test_reading_notebooks_does_not_build_the_iri_parser_and_iris_are_still_checked():
+    """course.classroom defers rfc3987-syntax's 2-3 s parser build (pyproject's `-p course.classroom`
+    loads it before nbval imports nbformat); jsonschema's IRI check must still work when used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, course.classroom, nbformat, jsonschema\n"
+        "nbformat.validate(nbformat.v4.new_notebook())\n"
+        "print('lark' in sys.modules)\n"
+        "check = jsonschema.FormatChecker()\n"
+        "print(check.conforms('https://example.org/a', 'iri'), check.conforms('ht tp://a b', 'iri'),\n"
+        "      check.conforms('ht tp://a b', 'iri-reference'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    pytest.importorskip("rfc3987_syntax")
+    assert out == ["False", "True", "False", "False"]
