@@ -2,9 +2,12 @@
 
 import contextlib
 import functools
+import gc
 import math
+import re
 import sys
 import textwrap
+import time
 from dataclasses import replace
 
 import torch
@@ -120,8 +123,34 @@ def _trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
+@contextlib.contextmanager
+def _new_tensor_bytes():
+    """Within the block, a 0-argument function that gives the bytes of the tensors created since the
+    block began and still alive (after a garbage collection), each storage once, as {data pointer: bytes}.
+    gc.freeze() moves the objects alive at the start out of gc.get_objects()'s sight: only the new ones are
+    collected and looked at (a full scan of a rank's ~300,000 objects took seconds under load)."""
+    gc.freeze()
+
+    def alive():
+        gc.collect()
+        found = {}
+        for o in gc.get_objects():
+            if issubclass(type(o), torch.Tensor) and o.layout == torch.strided and not o.is_meta:
+                storage = o.untyped_storage()
+                if storage.nbytes():
+                    found[storage.data_ptr()] = storage.nbytes()
+        return found
+
+    try:
+        yield alive
+    finally:
+        gc.unfreeze()
+
+
 def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
-    ddp_model = DDP(_model())
+    # DDP on a plain gloo group: on the traced one its gradient buckets (rebuilt after the first step)
+    # would pass through Python, and count among the tensors kept between the answer's steps
+    ddp_model = DDP(_model(), process_group=dist.new_group(backend="gloo"))
     ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.1)
     model = _model()
     shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=0.1)
@@ -130,24 +159,37 @@ def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(
         None if shard.grad is None else shard.grad.detach().clone()))
     flat_grads, shard_grads, new_groups = [], [], set()
-    for step in range(steps):
-        g = torch.Generator().manual_seed(10 * step + rank)  # different data on every rank
-        x, y = torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g)
-        for m in (ddp_model, model):
-            m.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-        ddp_optimizer.step()
-        flat_grads.append(torch.cat([p.grad.reshape(-1) for p in _trainable(model)]))
-        tracing.clear()
-        at_step.clear()
-        with _on_wire(measurable) if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's
-            with calls_into(files=("distributed_c10d.py",)) as called:
-                step_fn(model, shard, optimizer)
-        new_groups |= called & set(NEW_GROUPS)
-        shard_grads.append(at_step[-1] if at_step else "no step")
+    with _new_tensor_bytes() as alive:  # to see what the answer keeps between steps (a whole optimizer?)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(10 * step + rank)  # different data on every rank
+            x, y = torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g)
+            for m in (ddp_model, model):
+                m.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            ddp_optimizer.step()
+            flat_grads.append(torch.cat([p.grad.reshape(-1) for p in _trainable(model)]))
+            tracing.clear()
+            at_step.clear()
+            with _on_wire(measurable) if step == steps - 1 else contextlib.nullcontext() as on_wire:  # the last step's
+                with calls_into(files=("distributed_c10d.py",)) as called:
+                    step_fn(model, shard, optimizer)
+            new_groups |= called & set(NEW_GROUPS)
+            shard_grads.append(at_step[-1] if at_step else "no step")
+        states = [v for o in (optimizer, ddp_optimizer) for s in o.state.values() for v in s.values()]
+        known = [*model.parameters(), *ddp_model.parameters(), shard, x, y, *states, *flat_grads,
+                 *(g for g in shard_grads + at_step if isinstance(g, torch.Tensor)),
+                 *(p.grad for p in [*model.parameters(), *ddp_model.parameters(), shard] if p.grad is not None)]
+        skip = {t.untyped_storage().data_ptr() for t in known}
+        shard_bytes = shard.numel() * shard.element_size()
+        # the last all-gather's output may stay held for a moment by the trace's callback on gloo's thread (seen
+        # once in 8 launches: 216 bytes): measure again, for up to 1 s, before calling it kept
+        for _ in range(20):
+            kept = sum(size for ptr, size in alive().items() if ptr not in skip)
+            if kept <= shard_bytes:
+                break
+            time.sleep(0.05)
     ops = sorted({e.op for e in tracing.collectives()})
     scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
-    shard_bytes = shard.numel() * shard.element_size()
     gathered = max((e.bytes for e in tracing.collectives() if e.op.startswith("all_gather")), default=0)
     # the course's own step on the same gradients, for the bytes a right answer puts on the wire
     reference = _model()
@@ -168,6 +210,8 @@ def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
         "shard_grads": shard_grads,
         "ops": ops,
         "new_groups": new_groups,
+        "kept": kept,
+        "shard_bytes": shard_bytes,
         "state_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()),
         # DDP + Adam's state: two float32 moments per trainable value and a 4-byte step per tensor
         "ddp_state_bytes": sum(8 * p.numel() + 4 for p in _trainable(ddp_model)),
@@ -248,6 +292,13 @@ def _judge_zero1(fn, world_size, measurable):
         return wrong("the weights differ from DDP + Adam: check how you copy the gathered vector back "
                      "(parameters in model.parameters() order, each p.numel() values, view_as(p)), "
                      "and that you gather shard itself (the updated weights), not its gradient.")
+    kept = max(results, key=lambda r: r["kept"])
+    if kept["kept"] > kept["shard_bytes"]:
+        return wrong(f"on {world_size} ranks, your step keeps {kept['kept']:,} bytes of tensors alive from one step to "
+                     "the next (found with gc, beyond the parameters, their gradients, `shard`, shard.grad and the "
+                     f"optimizer's state): a whole optimizer, or whole copies of the gradients? Adam's state for the "
+                     f"whole model is {first['ddp_state_bytes']:,} bytes on every rank (DDP's memory); ZeRO-1 keeps "
+                     f"it for this rank's slice only ({first['state_bytes']:,} bytes), in the optimizer passed in.")
     return correct(f"2 and 3 ranks, 3 Adam steps each, a frozen parameter:\n"
                    f"the same weights as DDP, with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {first['ddp_state_bytes']}."
                    + ("" if measurable else NOT_MEASURED))
@@ -356,8 +407,11 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None, measurable=True):
             ops = {e.op for e in tracing.collectives()}
             scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
             gathered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("all_gather"))
+    # one all-gather of the parameters of no unit: an answer may keep them whole from the root's forward to
+    # its backward (FSDP2 does not reshard the root after forward), the course's version gathers them again
+    root_once = sum(-(-trainable[i].numel() // dist.get_world_size()) * trainable[i].element_size() for i in rest)
     return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": on_wire.sent,
-            "gathered": gathered,
+            "gathered": gathered, "root_once": root_once,
             "scatters_every_gradient": scattered >= with_grad, "new_groups": new_groups | (called & set(NEW_GROUPS))}
 
 
@@ -442,6 +496,13 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
                              f"version {r['reference_gathered']:,} (traced on the default group): a parameter "
                              "gathered while it was whole already? A tied weight belongs to two units: gather "
                              "it only if its memory is freed (p.untyped_storage().nbytes() == 0).")
+            if r["gathered"] < r["reference_gathered"] - r["root_once"]:
+                return wrong(f"{what}: your ranks all-gathered {r['gathered']:,} bytes in a step, the course's "
+                             f"version {r['reference_gathered']:,} (traced on the default group): backward must "
+                             "gather each unit's parameters again. A copy kept from a unit's forward to its backward "
+                             "holds the memory that ZeRO-3 frees: that is fully_shard's reshard_after_forward=False "
+                             "(\"keeps the unsharded parameters in memory after forward and avoids the all-gather "
+                             "in backward\"), not ZeRO-3.")
             extra = _more_on_wire([r["wire"]], [r["reference_wire"]])
             if extra:
                 return wrong(f"{what}: your ranks put {extra:,} bytes more on the wire in 2 steps than the course's "
@@ -539,13 +600,19 @@ SCALER_HANG_S = 10
 
 
 def _in_answer(fn, stacks, ranks):
-    """The ranks among ``ranks`` whose stack (as the launcher dumped it at the timeout) is inside ``fn``."""
+    """{rank: (the answer's innermost frame, the rank's innermost frame)} for the ranks among ``ranks``
+    whose stack (as the launcher dumped it at the timeout, most recent call last) is inside ``fn``."""
     code = getattr(fn, "__code__", None)
     if code is None:
-        return []
+        return {}
     frame = f'File "{code.co_filename}"'
-    return [r for r in ranks if any(frame in line and line.endswith(f" in {code.co_name}")
-                                    for line in stacks.get(r, "").splitlines())]
+    found = {}
+    for r in ranks:
+        lines = [line for line in stacks.get(r, "").splitlines() if line.strip().startswith("File ")]
+        mine = [line for line in lines if frame in line and line.endswith(f" in {code.co_name}")]
+        if mine:
+            found[r] = (mine[-1], lines[-1])
+    return found
 
 
 def _ranks(ranks):
@@ -553,9 +620,20 @@ def _ranks(ranks):
 
 
 def _scaler_hung(fn, e, world_size, seconds):
-    """The verdict on a launch that timed out: which ranks waited in the answer's collective, and which
-    never joined it (they had gone on, or finished)."""
-    waiting = _in_answer(fn, e.stacks, e.ranks)
+    """The verdict on a launch that timed out: which ranks waited in the answer's collective (their
+    innermost frame in torch's distributed_c10d.py), and which never joined it (they had gone on, or
+    finished); or, if a rank was still running the answer outside a collective, that it was slow."""
+    inside = _in_answer(fn, e.stacks, e.ranks)
+    waiting = [r for r, (_, innermost) in inside.items() if '/distributed_c10d.py"' in innermost]
+    running = [r for r in inside if r not in waiting]
+    stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
+    if running:
+        where = re.search(r'File "(.*)", line (\d+)', inside[running[0]][0])
+        at = f"{where[1].rsplit('/', 1)[-1]}:{where[2]}" if where else "?"
+        return replace(wrong(f"on {world_size} ranks, {_ranks(running)} {'was' if len(running) == 1 else 'were'} "
+                             f"still running your step ({at}), not waiting in a collective, when the check stopped "
+                             f"them after {seconds:g} s: too slow? The check allows {seconds:g} s for 7 steps of "
+                             "yours and 7 of the course's version."), details=stuck)
     others = [r for r in range(world_size) if r not in waiting]
     if waiting and others:
         why = f"{_ranks(waiting)} waited in a collective of your step that {_ranks(others)} never joined (went on without it)"
@@ -563,7 +641,6 @@ def _scaler_hung(fn, e, world_size, seconds):
         why = f"{_ranks(waiting)} waited in collectives of your step that did not match each other"
     else:
         why = f"{_ranks(e.ranks)} waited for each other outside your step"
-    stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
     return replace(wrong(f"on {world_size} ranks, {why}; the check stopped them after {seconds:g} s. Every rank must "
                          "call the same collectives in the same order at every step: all-reduce the found-inf flag on "
                          "every rank, not only on those that found an overflow."), details=stuck)
@@ -676,6 +753,8 @@ def _plausible_mistakes(world_size=4):
     P = sum(p.numel() for p in model.parameters())
     T = len(list(model.parameters()))
     rows_padded = sum(math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) for p in model.parameters())
+    last_rank = sum(max(p.shape[0] - (world_size - 1) * math.ceil(p.shape[0] / world_size), 0)
+                    * (p.numel() // p.shape[0]) for p in model.parameters())  # the last rank's rows, the short ones
     return [
         (0, "optimizer", 4 * P + 4 * T, "Adam keeps *two* tensors per parameter (exp_avg and exp_avg_sq)."),
         (1, "optimizer", 4 * math.ceil(P / world_size) + 4, "Adam keeps *two* tensors per parameter (exp_avg and exp_avg_sq)."),
@@ -699,6 +778,8 @@ def _plausible_mistakes(world_size=4):
          "first (30 rows on 4 ranks: 8, 8, 8, 6 padded to 8): round up per tensor, not P / N."),
         (3, "optimizer", 8 * P // world_size + 4 * T, "FSDP2 cuts each tensor by rows and gives every rank as many rows "
          "as the first: round up per tensor, not P / N."),
+        (3, "optimizer", 8 * last_rank + 4 * T, f"that is the last rank's {8 * last_rank + 4 * T:,} B, whose shards "
+         "are the short ones (6 of 30 rows, 2 of 11); rank 0's shards are full (8 rows and 3): count those."),
         (3, "parameters", 4 * P, "FSDP2 (ZeRO-3) shards the parameters too: each rank keeps only its rows between steps."),
         (3, "gradients", 4 * P, "FSDP2 reduce-scatters the gradients: each rank keeps only its rows' gradient."),
     ]
@@ -791,6 +872,8 @@ def checkpoint_sequential(forward_calls, saved_kib):
             return wrong("that is without any checkpointing: a checkpointed block saves only its input.")
         if saved_kib == 4 * 16:
             return wrong("only the checkpointed blocks keep just their input; the last segment saves everything.")
+        if saved_kib == kib * 1024:
+            return wrong("give saved_kib in KiB, not bytes.")
         if saved_kib == 16 + 16 + 16 + 144:
             return wrong("the last segment has two blocks, each saving 144 KiB (its input, the GELU's input and output).")
         return wrong("count per block: checkpointed, its input (32 x 128 floats); normal, also the GELU's input and "
