@@ -148,9 +148,9 @@ def _new_tensor_bytes():
 
 
 def _zero1_run(rank, world_size, step_fn, measurable=True, steps=3):
-    # DDP on a plain gloo group: on the traced one its gradient buckets (rebuilt after the first step)
-    # would pass through Python, and count among the tensors kept between the answer's steps
-    ddp_model = DDP(_model(), process_group=dist.new_group(backend="gloo"))
+    # DDP's gradients as views of its buckets: the buckets (rebuilt after the first step, and seen by Python
+    # on the traced group) are then the gradients' storage, not tensors kept between the answer's steps
+    ddp_model = DDP(_model(), gradient_as_bucket_view=True)
     ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=0.1)
     model = _model()
     shard, optimizer = zero1_setup(model, torch.optim.Adam, lr=0.1)
