@@ -19,13 +19,13 @@ An emptied display is still an output: JupyterLab saves it (``{"output_type": "d
 the cell's (JupyterLab 4.6, nbclient 0.11). So at the end the cell is cleared and what it showed
 before the display is shown again: :func:`count_outputs` notes each cell's outputs as they are
 sent (in :data:`CELL`), and :meth:`LiveOutput.close` sends ``clear_output(wait=True)`` (cleared
-when the next output arrives: no flicker) and then those outputs again. JupyterLab, classic Notebook, VS Code, Colab
-and nbclient all apply ``clear_output``; nbval 0.11 ignores it (it would see the earlier outputs
-twice), so the course's conftest.py teaches nbval to apply it as nbclient does. Where the cell's
-outputs are not known (the cell that imported course, a kernel that sends them otherwise) or hold
-something that cannot be sent again as it was (an ``execute_result``, an ``error``), the display is
-only emptied, and stays in a saved notebook (``python -m course build`` drops it from the
-solutions). Outside Jupyter nothing is shown.
+when the next output arrives: no flicker) and then those outputs again. JupyterLab, classic
+Notebook, VS Code, Colab and nbclient all apply ``clear_output``; nbval 0.11 ignores it (it
+would see the earlier outputs twice), so the course's conftest.py teaches nbval to apply it as
+nbclient does. Where the cell's outputs are not known (the cell that imported course, a kernel
+that sends them otherwise) or hold something that cannot be sent again as it was (an
+``execute_result``, an ``error``), the display is only emptied, and stays in a saved notebook
+(``python -m course build`` drops it from the solutions). Outside Jupyter nothing is shown.
 """
 
 from __future__ import annotations
@@ -48,29 +48,34 @@ RESENDABLE = ("stream", "display_data")  # what close() can send again exactly a
 
 
 class CellOutputs:
-    """The outputs the running cell has sent so far, as ``(kind, content)`` in order, in
-    ``outputs`` (None: not known, e.g. in the cell that imported course). One per kernel,
-    :data:`CELL`, and only its methods change it: :func:`count_outputs` calls :meth:`sent`
-    for each message and :meth:`reset` when a cell starts; :meth:`LiveOutput.close` reads it
-    and, having cleared the cell itself, calls :meth:`reset` before it sends them again."""
+    """The outputs the running cell has sent so far. One per kernel, :data:`CELL`, and only its
+    methods change them: :func:`count_outputs` calls :meth:`sent` for each message and
+    :meth:`reset` when a cell starts; :meth:`LiveOutput.close` reads them and, having cleared the
+    cell itself, calls :meth:`reset` before it sends them again."""
 
     def __init__(self, outputs=None):
-        self.outputs = outputs
+        self._outputs = outputs
+
+    @property
+    def outputs(self):
+        """``[(kind, content), ...]`` in the order sent, or None: not known (e.g. in the cell that
+        imported course)."""
+        return self._outputs
 
     def reset(self):
         """Nothing sent yet: a cell starts, or is about to be filled again after a clear."""
-        self.outputs = []
+        self._outputs = []
 
     def sent(self, kind, content):
         """Note a message of type ``kind`` the kernel sends: an output is added, a display's update
         applied to it, and a ``clear_output`` empties them (``wait=True`` clears only at the
         next output: not known meanwhile)."""
         if kind == "clear_output":
-            self.outputs = None if content.get("wait") else []
-        elif kind in OUTPUTS and self.outputs is not None:
-            self.outputs.append((kind, dict(content)))
-        elif kind == "update_display_data" and self.outputs is not None:
-            for _, shown in self.outputs:
+            self._outputs = None if content.get("wait") else []
+        elif kind in OUTPUTS and self._outputs is not None:
+            self._outputs.append((kind, dict(content)))
+        elif kind == "update_display_data" and self._outputs is not None:
+            for _, shown in self._outputs:
                 if _display_id(shown) == _display_id(content):
                     shown.update(data=content.get("data", {}), metadata=content.get("metadata", {}))
 
@@ -163,8 +168,8 @@ class LiveOutput:
         from IPython.display import clear_output, publish_display_data
 
         clear_output(wait=bool(before))  # wait: the cell is cleared as the first output comes again
-        CELL.reset()  # noted as not known by count_outputs (a wait=True clear), but it is ours: what
-        # is sent again from here is all the cell holds, and is noted again
+        CELL.reset()  # count_outputs noted "not known" (a wait=True clear), but this clear is ours:
+        # what is sent again from here is all the cell holds, and is noted again
         for kind, content in before:
             if kind == "stream":
                 out = sys.stderr if content.get("name") == "stderr" else sys.stdout
