@@ -198,7 +198,11 @@ def test_closing_sends_the_earlier_outputs_again_or_only_empties_what_it_cannot(
             return tmp_path / f"rank{rank}.txt"
 
     monkeypatch.setattr(IPython.display, "display", lambda display_id: Handle())
-    monkeypatch.setattr(IPython.display, "clear_output", lambda wait=False: sent.append(("clear", wait)))
+    def clear_output(wait=False):  # noted as the kernel's counted Session.send notes it (count_outputs)
+        sent.append(("clear", wait))
+        live.CELL.sent("clear_output", {"wait": wait})
+
+    monkeypatch.setattr(IPython.display, "clear_output", clear_output)
     monkeypatch.setattr(IPython.display, "publish_display_data",
                         lambda data, metadata=None, transient=None: sent.append(("display", data, transient)))
     monkeypatch.setattr(live.sys, "stdout", Out("stdout"))
@@ -215,13 +219,16 @@ def test_closing_sends_the_earlier_outputs_again_or_only_empties_what_it_cannot(
         ([("execute_result", {"data": {"text/plain": "1"}})], [("update", {})]),
         (None, [("update", {})]),  # not known: the cell that imported course
     ]:
-        monkeypatch.setattr(live._Cell, "outputs", [(k, dict(c)) for k, c in outputs] if outputs is not None else None)
+        monkeypatch.setattr(live, "CELL", live.CellOutputs([(k, dict(c)) for k, c in outputs]
+                                                           if outputs is not None else None))
         shown = live.LiveOutput(Job(), [0])
         shown.started -= live.SHOW_AFTER
         shown.update(running=[])
         sent.clear()
         shown.close()
         assert sent == expected, (outputs, sent)
+        if sent[0][0] == "clear":  # what it sends again is noted again, from nothing (not "not known")
+            assert live.CELL.outputs == [], live.CELL.outputs
 
 
 def test_the_outputs_noted_hold_a_displays_latest_data(monkeypatch):
@@ -238,14 +245,14 @@ def test_the_outputs_noted_hold_a_displays_latest_data(monkeypatch):
     monkeypatch.setattr(live.sys, "stdout", SimpleNamespace(session=session))
     monkeypatch.setattr(live.sys, "stderr", SimpleNamespace(session=session))
     monkeypatch.setattr(live, "_counting", [])
-    monkeypatch.setattr(live._Cell, "outputs", None)
+    monkeypatch.setattr(live, "CELL", live.CellOutputs())
     live.count_outputs(shell)
     hooks[0](None)  # pre_run_cell
     session.send(None, "stream", {"name": "stdout", "text": "a\n"})
     session.send(None, "display_data", {"data": {"text/plain": "0 %"}, "transient": {"display_id": "bar"}})
     session.send(None, "update_display_data", {"data": {"text/plain": "100 %"}, "transient": {"display_id": "bar"}})
-    assert live._Cell.outputs == [("stream", {"name": "stdout", "text": "a\n"}),
+    assert live.CELL.outputs == [("stream", {"name": "stdout", "text": "a\n"}),
                                   ("display_data", {"data": {"text/plain": "100 %"}, "metadata": {},
                                                     "transient": {"display_id": "bar"}})]
     session.send(None, {"header": {"msg_type": "clear_output"}, "content": {"wait": False}})
-    assert live._Cell.outputs == []
+    assert live.CELL.outputs == []

@@ -87,6 +87,22 @@ def test_the_simulator_refuses_broken_tables():
         cs.simulate(deadlock, 2, 2, 1)
 
 
+def test_needs_is_the_rule_of_the_stages():
+    """F needs the previous stage's F, B its own F and the next stage's B, W its own B; the first stage's F
+    and the last stage's B nothing from a neighbour. simulate, time_between, run_schedule and notebook 16's
+    causal check all ask it; placements (looped chunks, the V) only say which rank holds a stage."""
+    assert cs.needs("F", 3, 0, 4) == [] and cs.needs("F", 3, 2, 4) == [("F", 3, 1)]
+    assert cs.needs("B", 3, 1, 4) == [("F", 3, 1), ("B", 3, 2)] and cs.needs("B", 3, 3, 4) == [("F", 3, 3)]
+    assert cs.needs("W", 3, 1, 4) == [("B", 3, 1)]
+    # interleaved, 2 ranks x 2 chunks: rank 0's chunk 1 (stage 2) waits for rank 1's chunk 0 (stage 1)
+    logs = cs.simulate(cs.interleaved_1f1b(2, 2, 2), 2, 2, 2, latency=0.5).logs
+    start = {(op, i, cs.stage_of(r, c, 2)): a for r, log in enumerate(logs) for op, i, c, a, _ in log}
+    end = {(op, i, cs.stage_of(r, c, 2)): b for r, log in enumerate(logs) for op, i, c, _, b in log}
+    assert start[("F", 0, 2)] == end[("F", 0, 1)] + 0.5 and start[("B", 0, 1)] == end[("B", 0, 2)] + 0.5
+    assert all(start[key] >= end[need] for key in start for need in cs.needs(*key, 4))
+    assert "needs(" in inspect.getsource(cs.time_between) and "needs(" in inspect.getsource(cs.run_schedule)
+
+
 def test_a_message_between_ranks_costs_the_latency_and_one_within_a_rank_costs_nothing():
     cost = {"F": 1.0, "B": 1.0, "W": 1.0}  # a whole backward (no W rows) costs B + W = 2
     gpipe = cs.gpipe_table(2, 1)  # F on rank 0, F and B on rank 1, B on rank 0: two messages

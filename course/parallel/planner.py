@@ -94,6 +94,10 @@ RECOMPUTE = ("none", "selective", "full")
 # that cross-entropy saves: torchtitan's loss on bf16 logits (backward's peak: LOSS_PEAK_BYTES, further down)
 LOGIT_BYTES = 2 + 4 + 4
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+# What torch 2.15's torch.distributed.pipelining runs: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and
+# ScheduleInterleavedZeroBubble (the paper's ZB1P, ZB-H1 with one stage per rank). It has no ZB-H2, nor the
+# post-validation that ZB-H2's zero bubble needs (no all-reduce before the optimizer step): the search's default.
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -828,15 +832,19 @@ def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> 
     )
 
 
-def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)):
+def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,), schedules=TORCH_SCHEDULES):
     """Every valid configuration (powers of two for dp, tp, pp; context parallelism of each size in
     ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 14's zigzag layout: pass e.g.
     ``cp=(1, 2, 4, 8, 16)`` to let it in; every ZeRO stage; micro-batches of 1, 2 or 4; each
-    recomputation policy; with pipelines, 1F1B, interleaved with 2 or 4 chunks per rank, ZB-H1 and ZB-H2):
-    the ones that fit first, fastest first, then the rest, by memory."""
+    recomputation policy; with pipelines, those of 1F1B, interleaved with 2 or 4 chunks per rank, ZB-H1
+    and ZB-H2 named in ``schedules``: by default :data:`TORCH_SCHEDULES`, what torch 2.15 runs, so
+    not ZB-H2; pass :data:`SCHEDULES` to let it in): the ones that fit first, fastest first, then the
+    rest, by memory."""
+    if isinstance(schedules, str) or not set(schedules) <= set(SCHEDULES):
+        raise ValueError(f"schedules: a tuple of some of {SCHEDULES}, not {schedules!r}")
     powers = [2**i for i in range(20) if 2**i <= cluster.gpus]
-    schedules = {1: [("1f1b", 1)],
-                 0: [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1)]}
+    piped = [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1)]
+    schedules = {1: [("1f1b", 1)], 0: [(name, v) for name, v in piped if name in schedules]}
     found = []
     for tp, pp, cp_, zero, b, recompute in itertools.product(powers, powers, cp, (0, 1, 2, 3), (1, 2, 4), RECOMPUTE):
         if cluster.gpus % (tp * pp * cp_) or tp > cluster.per_node or pp > model.layers or seq % (2 * cp_):
@@ -855,9 +863,9 @@ def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(
     return sorted(found, key=key)
 
 
-def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,)) -> Config:
-    """The fastest configuration that fits, by this model."""
-    for config in candidates(model, cluster, global_batch, seq, cp):
+def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,), schedules=TORCH_SCHEDULES) -> Config:
+    """The fastest configuration that fits, by this model (``cp``, ``schedules``: see :func:`candidates`)."""
+    for config in candidates(model, cluster, global_batch, seq, cp, schedules):
         if fits(model, cluster, config, seq, global_batch):
             return config
     raise ValueError(f"no configuration of {model.name} fits in {cluster.usable:.0%} of {cluster.gpus} GPUs of "

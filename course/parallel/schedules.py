@@ -11,6 +11,7 @@ The model is cut into ``p * v`` stages. Megatron's interleaved placement (``layo
 gives rank ``r`` the stages ``r, r + p, r + 2p, ...``; DualPipeV and ZBV (``layout="v"``) give
 it stages ``r`` and ``2p - 1 - r``.
 
+What an action waits for, :func:`needs`, is one rule of the stages, used everywhere below.
 :func:`simulate` checks a table (each action once, F before B before W on a rank, no
 deadlock), plays it in logical time (F, B and W of a chunk take ``1/v`` unit each, or the
 times measured, with a message's latency) and returns each rank's timeline and its peak of
@@ -50,6 +51,17 @@ def stage_of(rank, chunk, p, layout="loop"):
     if layout == "v":
         return rank if chunk == 0 else 2 * p - 1 - rank
     raise ValueError(f"layout must be 'loop' or 'v', not {layout!r}")
+
+
+def needs(op, mb, stage, n):
+    """What action ``op`` of micro-batch ``mb`` on ``stage`` (of ``n`` stages) waits for, as
+    ``[(op, mb, stage), ...]``: an F needs the previous stage's F of that micro-batch; a B its own F
+    and the next stage's B (the gradient at its output); a W its own B. The rule is the stages',
+    whichever rank or chunk holds them (:func:`stage_of`); where there are no W rows, B is the whole
+    backward and needs the same."""
+    return {"F": [("F", mb, stage - 1)] if stage > 0 else [],
+            "B": [("F", mb, stage)] + ([("B", mb, stage + 1)] if stage < n - 1 else []),
+            "W": [("B", mb, stage)]}[op]
 
 
 def from_orders(orders):
@@ -216,13 +228,11 @@ def simulate(table, p, m, v, layout="loop", cost=None, latency=0.0, gap=0.0):
                 continue
             op, i, c = orders[r][len(logs[r])]
             k = stage_of(r, c, p, layout)
-            needs = {"F": [("F", i, k - 1)] if k > 0 else [],
-                     "B": [("F", i, k)] + ([("B", i, k + 1)] if k < n - 1 else []),
-                     "W": [("B", i, k)]}[op]
-            if any(need not in done for need in needs):
+            before = needs(op, i, k, n)
+            if any(need not in done for need in before):
                 continue
             start = max([free[r] + (wait(gap, r, op) if logs[r] else 0)]
-                        + [done[need] + (wait(latency, r, op) if where[need[2]][0] != r else 0) for need in needs])
+                        + [done[need] + (wait(latency, r, op) if where[need[2]][0] != r else 0) for need in before])
             free[r] = start + took(op, r, c) + (took("W", r, c) if op == "B" and not split else 0)
             done[(op, i, k)] = free[r]
             logs[r].append((op, i, c, start, free[r]))
@@ -256,10 +266,9 @@ def time_between(logs, p, v, layout="loop"):
         previous = None  # the end of the rank's previous action
         for op, i, c, start, stop in log:
             k = stage_of(r, c, p, layout)
-            source = k - 1 if op == "F" else k + 1
-            remote = op != "W" and 0 <= source < n and owner[source] != r
-            if remote and (previous is None or end[(op, i, source)] > previous):
-                lates.setdefault((r, op), []).append(start - end[(op, i, source)])
+            sent = [end[need] for need in needs(op, i, k, n) if owner[need[2]] != r]  # none or one
+            if sent and (previous is None or sent[0] > previous):
+                lates.setdefault((r, op), []).append(start - sent[0])
             elif previous is not None:
                 gaps.setdefault((r, op), []).append(start - previous)
             previous = stop
@@ -377,10 +386,10 @@ def run_schedule(chunks, order, inputs, targets, layout="loop", cpu=None):
     posted = {}  # (op, mb, stage) -> (buffer, irecv), one per message from another rank
     for op, i, c in order:
         k = stage_of(rank, c, p, layout)
-        source = k - 1 if op == "F" else k + 1
-        if op != "W" and 0 <= source < n and owner[source] != rank:
-            buffer = torch.empty_like(inputs[i])
-            posted[(op, i, k)] = buffer, dist.irecv(buffer, owner[source], tag=_tag(op, i, k, n))
+        for _, _, source in needs(op, i, k, n):
+            if owner[source] != rank:  # at most one: the input from the neighbouring stage
+                buffer, tag = torch.empty_like(inputs[i]), _tag(op, i, k, n)
+                posted[(op, i, k)] = buffer, dist.irecv(buffer, owner[source], tag=tag)
 
     def receive(op, i, stage):
         if (op, i, stage) in local:

@@ -18,14 +18,14 @@ An emptied display is still an output: JupyterLab saves it (``{"output_type": "d
 "data": {}}``), and no message removes one output, only ``clear_output``, which removes all of
 the cell's (JupyterLab 4.6, nbclient 0.11). So at the end the cell is cleared and what it showed
 before the display is shown again: :func:`count_outputs` notes each cell's outputs as they are
-sent, and :meth:`LiveOutput.close` sends ``clear_output(wait=True)`` (cleared when the next output
-arrives: no flicker) and then those outputs again. JupyterLab, classic Notebook, VS Code, Colab
-and nbclient all apply ``clear_output``; nbval 0.11 ignores it (it would see the earlier outputs
-twice), so the course's conftest.py teaches nbval to apply it as nbclient does. Where the cell's
-outputs are not known (the cell that imported course, a kernel that sends them otherwise) or hold
-something that cannot be sent again as it was (an ``execute_result``, an ``error``), the display is
-only emptied, and stays in a saved notebook (``python -m course build`` drops it from the
-solutions). Outside Jupyter nothing is shown.
+sent (in :data:`CELL`), and :meth:`LiveOutput.close` sends ``clear_output(wait=True)`` (cleared
+when the next output arrives: no flicker) and then those outputs again. JupyterLab, classic
+Notebook, VS Code, Colab and nbclient all apply ``clear_output``; nbval 0.11 ignores it (it
+would see the earlier outputs twice), so the course's conftest.py teaches nbval to apply it as
+nbclient does. Where the cell's outputs are not known (the cell that imported course, a kernel
+that sends them otherwise) or hold something that cannot be sent again as it was (an
+``execute_result``, an ``error``), the display is only emptied, and stays in a saved notebook
+(``python -m course build`` drops it from the solutions). Outside Jupyter nothing is shown.
 """
 
 from __future__ import annotations
@@ -47,11 +47,40 @@ OUTPUTS = ("stream", "display_data", "execute_result", "error")  # what a cell's
 RESENDABLE = ("stream", "display_data")  # what close() can send again exactly as it was
 
 
-class _Cell:
-    """The outputs the running cell has sent so far, as ``(kind, content)`` in order (None: not
-    known, e.g. in the cell that imported course)."""
+class CellOutputs:
+    """The outputs the running cell has sent so far. One per kernel, :data:`CELL`, and only its
+    methods change them: :func:`count_outputs` calls :meth:`sent` for each message and
+    :meth:`reset` when a cell starts; :meth:`LiveOutput.close` reads them and, having cleared the
+    cell itself, calls :meth:`reset` before it sends them again."""
 
-    outputs = None
+    def __init__(self, outputs=None):
+        self._outputs = outputs
+
+    @property
+    def outputs(self):
+        """``[(kind, content), ...]`` in the order sent, or None: not known (e.g. in the cell that
+        imported course)."""
+        return self._outputs
+
+    def reset(self):
+        """Nothing sent yet: a cell starts, or is about to be filled again after a clear."""
+        self._outputs = []
+
+    def sent(self, kind, content):
+        """Note a message of type ``kind`` the kernel sends: an output is added, a display's update
+        applied to it, and a ``clear_output`` empties them (``wait=True`` clears only at the
+        next output: not known meanwhile)."""
+        if kind == "clear_output":
+            self._outputs = None if content.get("wait") else []
+        elif kind in OUTPUTS and self._outputs is not None:
+            self._outputs.append((kind, dict(content)))
+        elif kind == "update_display_data" and self._outputs is not None:
+            for _, shown in self._outputs:
+                if _display_id(shown) == _display_id(content):
+                    shown.update(data=content.get("data", {}), metadata=content.get("metadata", {}))
+
+
+CELL = CellOutputs()
 
 
 def count_outputs(shell):
@@ -70,19 +99,11 @@ def count_outputs(shell):
 
     def counted(stream, msg_or_type, content=None, *args, **kwargs):
         kind = msg_or_type if isinstance(msg_or_type, str) else msg_or_type["header"]["msg_type"]
-        sent = (content if isinstance(msg_or_type, str) else msg_or_type["content"]) or {}
-        if kind == "clear_output":  # wait=True clears only at the next output: not known meanwhile
-            _Cell.outputs = None if sent.get("wait") else []
-        elif kind in OUTPUTS and _Cell.outputs is not None:
-            _Cell.outputs.append((kind, dict(sent)))
-        elif kind == "update_display_data" and _Cell.outputs is not None:
-            for _, shown in _Cell.outputs:
-                if _display_id(shown) == _display_id(sent):
-                    shown.update(data=sent.get("data", {}), metadata=sent.get("metadata", {}))
+        CELL.sent(kind, (content if isinstance(msg_or_type, str) else msg_or_type["content"]) or {})
         return send(stream, msg_or_type, content, *args, **kwargs)
 
     session.send = counted
-    shell.events.register("pre_run_cell", lambda info: setattr(_Cell, "outputs", []))
+    shell.events.register("pre_run_cell", lambda info: CELL.reset())
 
 
 def _display_id(content):
@@ -138,7 +159,7 @@ class LiveOutput:
             return
         sys.stdout.flush()  # anything printed meanwhile is sent, and noted, before we look
         sys.stderr.flush()
-        before = _Cell.outputs
+        before = CELL.outputs
         if before is not None:
             before = [(kind, c) for kind, c in before if _display_id(c) != self.handle.display_id]
         if before is None or any(kind not in RESENDABLE for kind, _ in before):
@@ -147,7 +168,8 @@ class LiveOutput:
         from IPython.display import clear_output, publish_display_data
 
         clear_output(wait=bool(before))  # wait: the cell is cleared as the first output comes again
-        _Cell.outputs = []  # what is sent again is noted again
+        CELL.reset()  # count_outputs noted "not known" (a wait=True clear), but this clear is ours:
+        # what is sent again from here is all the cell holds, and is noted again
         for kind, content in before:
             if kind == "stream":
                 out = sys.stderr if content.get("name") == "stderr" else sys.stdout
