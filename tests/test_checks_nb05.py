@@ -5,6 +5,12 @@ import pytest
 from course.checks import nb05
 
 
+@pytest.fixture
+def traced_once(launch_once):
+    """Each traced run nb05's checks launch runs once in this file: its op names are the same every run."""
+    launch_once(nb05)
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -21,12 +27,12 @@ from course.checks import nb05
         (30.0, "whole number"),
     ],
 )
-def test_metadata_length_rejects_wrong_answers(answer, hint):
+def test_metadata_length_rejects_wrong_answers(answer, hint, traced_once):
     feedback = nb05.metadata_length(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_metadata_length_accepts_the_answer():
+def test_metadata_length_accepts_the_answer(traced_once):
     assert nb05.metadata_length(30).status == "correct"
 
 
@@ -66,26 +72,6 @@ def _no_construction_list(sync, n_buckets):
 
 def _crashes(sync, n_buckets):
     raise KeyError("oops")
-
-
-@pytest.fixture(scope="module")
-def traces():
-    return {}
-
-
-@pytest.fixture
-def traced_once(monkeypatch, traces):
-    """expected_ops launches one traced run per case of nb05.CASES, whose op names do not change from run to
-    run: in this file each case runs once, for real, and every answer is judged against those traces."""
-    launch = nb05.launch
-
-    def once(fn, world_size, *args, **options):
-        key = (fn.__name__, world_size, repr(args))
-        if key not in traces:
-            traces[key] = launch(fn, world_size, *args, **options)
-        return traces[key]
-
-    monkeypatch.setattr(nb05, "launch", once)
 
 
 @pytest.mark.parametrize(
