@@ -163,6 +163,33 @@ def judges_only(monkeypatch):
                 monkeypatch.setattr(obj, "finished", ())
 
 
+@pytest.fixture(scope="module")
+def _launches_of_this_file():
+    return {}
+
+
+@pytest.fixture
+def launch_once(monkeypatch, _launches_of_this_file):
+    """``launch_once(module)``: the module's ``launch`` runs each distinct launch once per test file and
+    returns its results again after. For a check that launches the same reference run for every answer (a
+    traced run's op names, the bytes it sends) whose results do not change from run to run: the answers
+    are still judged against a real run, without one launch per answer."""
+    results = _launches_of_this_file
+
+    def patch(module):
+        launch = module.launch
+
+        def once(fn, world_size, *args, **options):
+            key = (module.__name__, fn.__name__, world_size, repr(args), repr(sorted(options.items())))
+            if key not in results:
+                results[key] = launch(fn, world_size, *args, **options)
+            return results[key]
+
+        monkeypatch.setattr(module, "launch", once)
+
+    return patch
+
+
 @pytest.fixture
 def forked_ranks(monkeypatch):
     """Launches in this test fork their ranks from this process, so the ranks see its monkeypatches.

@@ -5,6 +5,12 @@ import pytest
 from course.checks import nb05
 
 
+@pytest.fixture
+def traced_once(launch_once):
+    """Each traced run nb05's checks launch runs once in this file: its op names are the same every run."""
+    launch_once(nb05)
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -21,12 +27,12 @@ from course.checks import nb05
         (30.0, "whole number"),
     ],
 )
-def test_metadata_length_rejects_wrong_answers(answer, hint):
+def test_metadata_length_rejects_wrong_answers(answer, hint, traced_once):
     feedback = nb05.metadata_length(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_metadata_length_accepts_the_answer():
+def test_metadata_length_accepts_the_answer(traced_once):
     assert nb05.metadata_length(30).status == "correct"
 
 
@@ -91,12 +97,12 @@ def _crashes(sync, n_buckets):
         (_crashes, "raised KeyError"),
     ],
 )
-def test_expected_ops_rejects_wrong_answers(answer, hint):
+def test_expected_ops_rejects_wrong_answers(answer, hint, traced_once):
     feedback = nb05.expected_ops(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_expected_ops_accepts_the_reference():
+def test_expected_ops_accepts_the_reference(traced_once):
     assert nb05.expected_ops(_reference).status == "correct"
     assert nb05.expected_ops(lambda sync, n: tuple(tuple(p) for p in _reference(sync, n))).status == "correct"
 

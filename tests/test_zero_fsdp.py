@@ -466,7 +466,9 @@ def test_dcp_reshards_fsdp_state_onto_a_different_number_of_ranks(tmp_path):
     saved = launch(_save, 2, tmp_path, show=None, timeout=120)[0]
     assert not _same(saved["model"], _full(_model().state_dict()))
     assert sorted(saved["optimizer"]["state"]["0.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
-    for world_size in (1, 4):
+    # Saved on 2 ranks, loaded on fewer and on more: on 3, the shard boundaries move and the 10-row
+    # layer splits unevenly (4, 4, 2), which is all that 4 ranks showed, at one rank less.
+    for world_size in (1, 3):
         for state in launch(_load, world_size, tmp_path, show=None, timeout=120):
             assert _same(state, saved), world_size
 

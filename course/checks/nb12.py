@@ -311,6 +311,27 @@ def _judge_attention(results, world_size, heads):
     return None
 
 
+def _attention_runs(rank, world_size, plans, dim, heads):
+    """_attention_run for each plan, one after the other on the same ranks."""
+    return [_attention_run(rank, world_size, plan, dim, heads) for plan in plans]
+
+
+def attention_verdicts(plans):
+    """For each plan, the feedback of the first case of ATTENTION_CASES it gets wrong, or None if it gets every
+    case right. One launch per case runs every plan not judged yet (the tests judge many wrong plans at once)."""
+    verdicts = [None] * len(plans)
+    undecided = list(range(len(plans)))
+    for world_size, dim, heads in ATTENTION_CASES:
+        if not undecided:
+            break
+        results = launch(_attention_runs, world_size, [plans[i] for i in undecided], dim, heads, show=None,
+                         timeout=60)
+        for j, i in enumerate(undecided):
+            verdicts[i] = _judge_attention([per_rank[j] for per_rank in results], world_size, heads)
+        undecided = [i for i in undecided if verdicts[i] is None]
+    return verdicts
+
+
 @exercise(
     "Exercise 3 (tensor_parallel_attention)",
     hint="give each rank whole heads: q, k and v split their output features, out splits its input features; "
@@ -318,11 +339,9 @@ def _judge_attention(results, world_size, heads):
 )
 def tensor_parallel_attention(parallelize):
     """Exercise 3: split an attention block's heads with parallelize_module."""
-    for world_size, dim, heads in ATTENTION_CASES:
-        results = launch(_attention_run, world_size, parallelize, dim, heads, show=None, timeout=60)
-        feedback = _judge_attention(results, world_size, heads)
-        if feedback is not None:
-            return feedback
+    feedback, = attention_verdicts([parallelize])
+    if feedback is not None:
+        return feedback
     cases = ", ".join(f"{heads} heads on {n} ranks" for n, _, heads in ATTENTION_CASES)
     return correct(f"{cases}: on every rank the output, the input gradient and the gradients of "
                    "q, k, v and out's weights equal the unsplit block's.")
