@@ -296,9 +296,11 @@ def _judge_zero1(fn, world_size, measurable):
     if kept["kept"] > kept["shard_bytes"]:
         return wrong(f"on {world_size} ranks, your step keeps {kept['kept']:,} bytes of tensors alive from one step to "
                      "the next (found with gc, beyond the parameters, their gradients, `shard`, shard.grad and the "
-                     f"optimizer's state): a whole optimizer, or whole copies of the gradients? Adam's state for the "
-                     f"whole model is {first['ddp_state_bytes']:,} bytes on every rank (DDP's memory); ZeRO-1 keeps "
-                     f"it for this rank's slice only ({first['state_bytes']:,} bytes), in the optimizer passed in.")
+                     "optimizer's state): a whole optimizer, whole copies of the gradients, or flat buffers kept for "
+                     "the next step (make them inside the step: between steps ZeRO-1 keeps only `shard` and its "
+                     f"state)? Adam's state for the whole model is {first['ddp_state_bytes']:,} bytes on every rank "
+                     f"(DDP's memory); ZeRO-1 keeps it for this rank's slice only ({first['state_bytes']:,} bytes), "
+                     "in the optimizer passed in.")
     return correct(f"2 and 3 ranks, 3 Adam steps each, a frozen parameter:\n"
                    f"the same weights as DDP, with Adam's state for {first['state_bytes']} bytes per rank on {world_size} instead of {first['ddp_state_bytes']}."
                    + ("" if measurable else NOT_MEASURED))
