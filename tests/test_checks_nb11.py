@@ -669,6 +669,32 @@ def test_scaled_step_calls_a_slow_answer_slow_not_mismatched():
     assert "never joined" not in said(feedback) and "did not match" not in said(feedback), feedback
 
 
+def _async_one_sided(shards, optimizer, loss, scale):
+    """Only ranks that found an overflow all-reduce, with async_op=True: they wait in Work.wait(), C++."""
+    found = torch.tensor(1.0)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True).wait()
+    return scale, True
+
+
+def test_scaled_step_counts_a_rank_blocked_in_work_wait_as_waiting_in_a_collective():
+    """The verdict on stacks as the launcher dumps them at a timeout (no launch): rank 1 is blocked in
+    Work.wait(), whose innermost Python frame is the answer's own line, rank 0 went on."""
+    import inspect
+    from types import SimpleNamespace
+
+    lines, first = inspect.getsourcelines(_async_one_sided)
+    at = first + next(i for i, line in enumerate(lines) if ".wait(" in line)
+    here = _async_one_sided.__code__.co_filename
+    stack = (f'Thread 0x1 (most recent call first):\n  File "{here}", line {at} in _async_one_sided\n'
+             f'  File "/course/checks/nb11.py", line 1 in _scaler_pair\n')
+    stacks = {0: 'Thread 0x1 (most recent call first):\n  File "/x/y.py", line 3 in forward\n', 1: stack}
+    # faulthandler prints the most recent call first; the launcher's stacks read the other way round
+    stacks = {r: "\n".join(reversed(s.splitlines())) for r, s in stacks.items()}
+    feedback = nb11._scaler_hung(_async_one_sided, SimpleNamespace(stacks=stacks, ranks=[0, 1]), 2, 10)
+    assert "rank 1 waited in a collective of your step that rank 0 never joined" in said(feedback), feedback
+    assert "too slow" not in said(feedback), feedback
+
+
 # ------------------------------------------------------------------ Exercise 4 (bytes_per_rank)
 
 # P = 3,371 values (not a multiple of 4) in T = 4 tensors, 4 ranks

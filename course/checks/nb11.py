@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import gc
+import linecache
 import math
 import re
 import sys
@@ -621,12 +622,20 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _waits(frame):
+    """Whether a stack's innermost frame ('File "f", line n in g') is a line that calls ``.wait(``: a
+    collective started with async_op=True waits in C++, below the answer's own line (linecache reads the
+    line; a notebook's cells are in it too)."""
+    where = re.search(r'File "(.*)", line (\d+)', frame)
+    return bool(where) and ".wait(" in linecache.getline(where[1], int(where[2]))
+
+
 def _scaler_hung(fn, e, world_size, seconds):
     """The verdict on a launch that timed out: which ranks waited in the answer's collective (their
-    innermost frame in torch's distributed_c10d.py), and which never joined it (they had gone on, or
+    innermost frame in torch's distributed_c10d.py, or a line of the answer that calls .wait()), and which never joined it (they had gone on, or
     finished); or, if a rank was still running the answer outside a collective, that it was slow."""
     inside = _in_answer(fn, e.stacks, e.ranks)
-    waiting = [r for r, (_, innermost) in inside.items() if '/distributed_c10d.py"' in innermost]
+    waiting = [r for r, (_, innermost) in inside.items() if '/distributed_c10d.py"' in innermost or _waits(innermost)]
     running = [r for r in inside if r not in waiting]
     stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
     if running:
