@@ -632,8 +632,9 @@ def _waits(frame):
 
 def _scaler_hung(fn, e, world_size, seconds):
     """The verdict on a launch that timed out: which ranks waited in the answer's collective (their
-    innermost frame in torch's distributed_c10d.py, or a line of the answer that calls .wait()), and which never joined it (they had gone on, or
-    finished); or, if a rank was still running the answer outside a collective, that it was slow."""
+    innermost frame in torch's distributed_c10d.py, or a line of the answer that calls .wait()), and
+    which never joined it (they had gone on, or finished); or, if a rank was still running the answer
+    outside a collective, that it was slow."""
     inside = _in_answer(fn, e.stacks, e.ranks)
     waiting = [r for r, (_, innermost) in inside.items() if '/distributed_c10d.py"' in innermost or _waits(innermost)]
     running = [r for r in inside if r not in waiting]
