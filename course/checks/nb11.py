@@ -404,17 +404,19 @@ def _fsdp_train(rank, model, units, fn, steps, ddp=None, measurable=True):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _needed_whole):
                 loss = nn.functional.mse_loss(model(x), y)
             seen["between"].append(_whole(trainable))
+            in_forward = len(tracing.collectives())
             loss.backward()
             optimizer.step()
             seen["rest"].append(_whole(trainable))
             ops = {e.op for e in tracing.collectives()}
             scattered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("reduce_scatter"))
             gathered = sum(e.bytes for e in tracing.collectives() if e.op.startswith("all_gather"))
+            gathered_backward = sum(e.bytes for e in tracing.collectives()[in_forward:] if e.op.startswith("all_gather"))
     # one all-gather of the parameters of no unit: an answer may keep them whole from the root's forward to
     # its backward (FSDP2 does not reshard the root after forward), the course's version gathers them again
     root_once = sum(-(-trainable[i].numel() // dist.get_world_size()) * trainable[i].element_size() for i in rest)
     return {**seen, "rest_units": sorted(rest), "ops": ops, "shards": shards, "wire": on_wire.sent,
-            "gathered": gathered, "root_once": root_once,
+            "gathered": gathered, "gathered_backward": gathered_backward, "root_once": root_once,
             "scatters_every_gradient": scattered >= with_grad, "new_groups": new_groups | (called & set(NEW_GROUPS))}
 
 
@@ -436,6 +438,7 @@ def _fsdp_run(rank, world_size, fn, measurable=True, steps=2):
         # the course's version on the same model and data: the bytes a right answer sends and gathers
         right = _fsdp_train(rank, model2, units2, guard.original(course_version), steps, None, measurable)
         run["reference_wire"], run["reference_gathered"] = right["wire"], right["gathered"]
+        run["reference_gathered_backward"] = right["gathered_backward"]
         out.append({**run, "model": index})
     return out
 
@@ -499,9 +502,11 @@ def fully_shard_by_hand(fn, world_sizes=(2, 3)):
                              f"version {r['reference_gathered']:,} (traced on the default group): a parameter "
                              "gathered while it was whole already? A tied weight belongs to two units: gather "
                              "it only if its memory is freed (p.untyped_storage().nbytes() == 0).")
-            if r["gathered"] < r["reference_gathered"] - r["root_once"]:
-                return wrong(f"{what}: your ranks all-gathered {r['gathered']:,} bytes in a step, the course's "
-                             f"version {r['reference_gathered']:,} (traced on the default group): backward must "
+            # in backward only: a tied weight left whole between its two units' forwards saves forward gathers
+            if r["gathered_backward"] < r["reference_gathered_backward"] - r["root_once"]:
+                return wrong(f"{what}: your ranks all-gathered {r['gathered_backward']:,} bytes in a backward, "
+                             f"the course's version {r['reference_gathered_backward']:,} (traced on the default "
+                             "group): backward must "
                              "gather each unit's parameters again. A copy kept from a unit's forward to its backward "
                              "holds the memory that ZeRO-3 frees: that is fully_shard's reshard_after_forward=False "
                              "(\"keeps the unsharded parameters in memory after forward and avoids the all-gather "
