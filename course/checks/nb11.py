@@ -628,12 +628,18 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _waits(frame):
-    """Whether a stack's innermost frame ('File "f", line n in g') is a line that calls ``.wait(``: a
-    collective started with async_op=True waits in C++, below the answer's own line (linecache reads the
-    line; a notebook's cells are in it too)."""
+def _file_line(frame):
+    """(file, line number) of a stack's frame line 'File "f", line n in g', or None."""
     where = re.search(r'File "(.*)", line (\d+)', frame)
-    return bool(where) and ".wait(" in linecache.getline(where[1], int(where[2]))
+    return (where[1], int(where[2])) if where else None
+
+
+def _waits(frame):
+    """Whether a stack's innermost frame is a line that calls ``.wait(``: a collective started with
+    async_op=True waits in C++, below the answer's own line (linecache reads the line; a notebook's
+    cells are in it too)."""
+    where = _file_line(frame)
+    return bool(where) and ".wait(" in linecache.getline(*where)
 
 
 def _scaler_hung(fn, e, world_size, seconds):
@@ -646,8 +652,8 @@ def _scaler_hung(fn, e, world_size, seconds):
     running = [r for r in inside if r not in waiting]
     stuck = "\n".join(f"rank {r}:\n{e.stacks[r]}" for r in e.ranks if e.stacks.get(r))
     if running:
-        where = re.search(r'File "(.*)", line (\d+)', inside[running[0]][0])
-        at = f"{where[1].rsplit('/', 1)[-1]}:{where[2]}" if where else "?"
+        where = _file_line(inside[running[0]][0])
+        at = f"{where[0].rsplit('/', 1)[-1]}:{where[1]}" if where else "?"
         return replace(wrong(f"on {world_size} ranks, {_ranks(running)} {'was' if len(running) == 1 else 'were'} "
                              f"still running your step ({at}), not waiting in a collective, when the check stopped "
                              f"them after {seconds:g} s: too slow? The check allows {seconds:g} s for 7 steps of "
