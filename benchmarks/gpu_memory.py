@@ -15,7 +15,7 @@ blocks for real and prints, for Llama 3 8B / 70B / 405B shapes:
    with the default allocator and with ``expandable_segments:True``.
 
 Run: ``python benchmarks/gpu_memory.py`` (prints a figure per line; exits with a message without a
-GPU). Figures measured with it are quoted in notebook 17 and benchmarks/README.md.
+GPU). Figures measured with it are quoted in notebook 18 and benchmarks/README.md.
 """
 
 import argparse

@@ -58,7 +58,7 @@ def _checks_of(path):
 
 
 def _skip_where_the_notebook_cannot_run(nb):
-    """Notebooks 11-17 declare torch >= PART_II_TORCH in their first cell (require_torch): their
+    """Notebooks 11-18 declare torch >= PART_II_TORCH in their first cell (require_torch): their
     answers and checks are tested on such a torch only, as the notebooks themselves are."""
     from course.classroom.doctor import PART_II_TORCH, torch_at_least
 

@@ -1,402 +1,404 @@
 """Notebook 15's checks accept the course's answers and reject plausible wrong ones with a specific hint."""
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from course.parallel import expert_parallel as ep
+from course.parallel import context_parallel as cp
 from course.checks import nb15
-from course.classroom.doctor import PART_II_TORCH, torch_at_least
+from course.classroom.notebooks import solution_paths
+from course.parallel.context_parallel import attend, merge, start_pass
 
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+SOLUTION, = solution_paths(["15_context_parallel"])
+
 # The judges' own reasons, with wrong answers built on the course's finished code: course.classroom.guard off
 # (it would refuse them first; tests/test_guard.py tries it).
-pytestmark = [
-    pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"),
-    pytest.mark.usefixtures("judges_only"),
-]
+pytestmark = pytest.mark.usefixtures("judges_only")
 
-# ------------------------------------------------------------------ Exercise 1: routing and the capacity
+# ------------------------------------------------------------------ Exercise 1: merge
 
 
-def _ignores_capacity(experts, n_experts, capacity):
-    return torch.ones_like(experts, dtype=torch.bool)
+def _average(out1, lse1, out2, lse2):
+    return (out1 + out2) / 2, torch.logaddexp(lse1, lse2)
 
 
-def _token_order(experts, n_experts, capacity):  # token 0's choices, then token 1's, ...: not first choices first
-    queue = F.one_hot(experts.reshape(-1), n_experts)
-    place = (queue.cumsum(0) * queue).sum(-1) - 1
-    return (place < capacity).view(experts.shape)
+def _exp_without_the_max(out1, lse1, out2, lse2):  # right in exact arithmetic, overflows in float32
+    w1, w2 = lse1.exp(), lse2.exp()
+    return (w1[..., None] * out1 + w2[..., None] * out2) / (w1 + w2)[..., None], (w1 + w2).log()
 
 
-def _one_too_many(experts, n_experts, capacity):  # place <= capacity: capacity + 1 kept
-    tokens, k = experts.shape
-    queue = F.one_hot(experts.T.reshape(-1), n_experts)
-    place = (queue.cumsum(0) * queue).sum(-1) - 1
-    return (place <= capacity).view(k, tokens).T
+def _lse_is_the_max(out1, lse1, out2, lse2):
+    out, _ = merge(out1, lse1, out2, lse2)
+    return out, torch.maximum(lse1, lse2)
 
 
-def _route_with(top=None, weights="top-k softmax", capacity="right"):
-    def route(router, x, k, capacity_factor=None):
-        logits = router(x)
-        scores, experts = logits.topk(top or k, dim=-1)
-        w = logits.softmax(-1).gather(-1, experts) if weights == "all experts" else scores.softmax(-1)
-        keep = torch.ones_like(experts, dtype=torch.bool)
-        if capacity_factor is not None and capacity != "ignored":
-            per = x.shape[0] * (k if capacity == "right" else 1)
-            keep = ep.within_capacity(experts, logits.shape[-1], math.ceil(capacity_factor * per / logits.shape[-1]))
-        if weights == "kept only":  # renormalised over the kept assignments
-            w = w * keep
-            w = w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-        return ep.Routing(experts, w, keep, logits)
-
-    return route
+def _not_normalised(out1, lse1, out2, lse2):  # rescaled by the max, but not divided by the total weight
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    return w1[..., None] * out1 + w2[..., None] * out2, m + (w1 + w2).log()
 
 
-def test_routing_accepts_the_course_functions():
-    assert nb15.routing(ep.route, ep.within_capacity).status == "correct"
+def _out_only(out1, lse1, out2, lse2):
+    return merge(out1, lse1, out2, lse2)[0]
 
 
-@pytest.mark.parametrize(
-    "route, within_capacity, hint",
-    [
-        (ep.route, _ignores_capacity, "an expert keeps at most its capacity"),
-        (ep.route, _one_too_many, "an expert keeps at most its capacity"),
-        (ep.route, _token_order, "first choices of"),
-        (_route_with(top=1), ep.within_capacity, "top-1 for top-2"),
-        (_route_with(weights="all experts"), ep.within_capacity, "not the softmax over all experts"),
-        (_route_with(weights="kept only"), ep.within_capacity, "renormalised over the kept assignments"),
-        (_route_with(capacity="ignored"), ep.within_capacity, "every assignment was kept"),
-        (_route_with(capacity="without k"), ep.within_capacity, "ceil(capacity_factor x tokens x k / experts)"),
-    ],
-)
-def test_routing_rejects_wrong_answers(route, within_capacity, hint):
-    feedback = nb15.routing(route, within_capacity)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
+def _logaddexp(out1, lse1, out2, lse2):  # right unless both lse are -inf: -inf - (-inf) is nan
+    lse = torch.logaddexp(lse1, lse2)
+    return (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2, lse
 
 
-# ------------------------------------------------------------------ Exercise 2: the load-balancing loss
+def _softplus(out1, lse1, out2, lse2):  # right for finite lse, nan when one lse is -inf (d = -inf - -inf)
+    d = lse2 - lse1
+    w2 = torch.sigmoid(d)[..., None]
+    return out1 * (1 - w2) + out2 * w2, lse1 + torch.nn.functional.softplus(d)
 
 
-def _aux(divide_by="assignments", times_e=True, p_from="logits", straight_through=False, guard_empty=True,
-         count="all"):
-    def load_balancing_loss(routing):
-        n_experts = routing.logits.shape[-1]
-        if guard_empty == "constant" and routing.experts.numel() == 0:
-            return torch.tensor(0.0, dtype=routing.logits.dtype)  # right value, no graph
-        if guard_empty and routing.experts.numel() == 0:
-            return routing.logits.sum() * 0
-        experts = routing.experts[routing.keep][:, None] if count == "kept" else routing.experts
-        counts = F.one_hot(experts, n_experts).sum((0, 1)).to(routing.logits.dtype)
-        f = counts / (experts.numel() if divide_by == "assignments" else experts.shape[0])
-        if p_from == "logits":
-            p = routing.logits.softmax(-1).mean(0)
-        else:  # the k weights, scattered to their experts
-            p = torch.zeros_like(routing.logits).scatter(-1, routing.experts, routing.weights).mean(0)
-        if straight_through:  # f's value, but a gradient through the probabilities
-            soft = routing.logits.softmax(-1).mean(0)
-            f = f + soft - soft.detach()
-        return (n_experts if times_e else 1) * (f * p).sum()
-
-    return load_balancing_loss
+def _three_d_only(out1, lse1, out2, lse2):  # right on (heads, tokens, dim), raises on 4-D tensors
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp(), (lse2 - lse).exp()
+    return w1[:, :, None] * out1 + w2[:, :, None] * out2, lse
 
 
-def test_balancing_loss_accepts_the_course_function():
-    assert nb15.balancing_loss(ep.load_balancing_loss).status == "correct"
+def _logaddexp_guarded(out1, lse1, out2, lse2):  # another correct answer
+    lse = torch.logaddexp(lse1, lse2)
+    safe = lse.masked_fill(lse == float("-inf"), 0)
+    return (lse1 - safe).exp()[..., None] * out1 + (lse2 - safe).exp()[..., None] * out2, lse
+
+
+def _first_as_ref(out1, lse1, out2, lse2):  # rescales by lse1, not the max: e^(lse2 - lse1) overflows
+    m = torch.where(lse1 == -torch.inf, lse2, lse1)
+    m = m.masked_fill(m == -torch.inf, 0)
+    w1, w2 = (lse1 - m).exp(), (lse2 - m).exp()
+    t = w1 + w2
+    return (w1[..., None] * out1 + w2[..., None] * out2) / t.clamp(min=1e-30)[..., None], m + t.log()
+
+
+def _clamped(out1, lse1, out2, lse2):  # right, but an empty merge gets lse -1e30 instead of -inf
+    out, lse = merge(out1, lse1, out2, lse2)
+    return out, lse.clamp(min=-1e30)
+
+
+def test_merge_accepts_correct_answers():
+    assert nb15.merge(merge).status == "correct"
+    assert nb15.merge(_logaddexp_guarded).status == "correct"
+
+
+def test_merge_keeps_two_empty_partials_empty():
+    out, lse = merge(torch.zeros(3, 4), torch.full((3,), float("-inf")), torch.zeros(3, 4), torch.full((3,), float("-inf")))
+    assert torch.equal(out, torch.zeros(3, 4)) and torch.equal(lse, torch.full((3,), float("-inf")))
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_aux(divide_by="tokens"), "k = 2 times the course's"),
-        (_aux(count="kept"), "counts only the kept assignments"),
-        (_aux(guard_empty="constant"), "a constant 0 with no graph"),
-        (_aux(times_e=False), "times too small: multiply by E"),
-        (_aux(p_from="weights"), ("not the k weights", "P_e, from the logits, carries it")),  # value right by chance: 1 seed in 60
-        (_aux(straight_through=True), "the value is right but the gradient is not"),
-        (_aux(guard_empty=False), "0, not 0/0"),
+        (_average, "plain average"),
+        (_exp_without_the_max, "an exp overflowed"),
+        (_lse_is_the_max, "not the larger of the two"),
+        (_not_normalised, "merged output differs"),
+        (_out_only, "return a pair"),
+        (_softplus, "see none of one chunk (lse -inf)"),
+        (_logaddexp, "both saw no key (lse -inf)"),
+        (_three_d_only, "4-D (batch, heads, tokens, dim) tensors"),
+        (lambda out1, lse1, out2, lse2: (torch.zeros(2, 5, 8), torch.zeros(2, 5)), "merged lse differs"),
     ],
 )
-def test_balancing_loss_rejects_wrong_answers(answer, hint):
-    feedback = nb15.balancing_loss(answer)
-    hints = hint if isinstance(hint, tuple) else (hint,)
-    assert feedback.status == "wrong" and any(h in feedback.message for h in hints), feedback
-
-
-# ------------------------------------------------------------------ Exercise 3: dispatch and combine
-
-
-def _gather_dispatch(x_sorted, counts, group=None):  # every token to every rank, then keep this rank's
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    all_counts = [torch.empty_like(counts) for _ in range(n)]
-    dist.all_gather(all_counts, counts, group=group)
-    sizes = [int(c.sum()) for c in all_counts]
-    parts = [x_sorted.new_empty(s, x_sorted.shape[1]) for s in sizes]
-    padded = max(sizes)
-    buffers = [x_sorted.new_zeros(padded, x_sorted.shape[1]) for _ in range(n)]
-    mine = x_sorted.new_zeros(padded, x_sorted.shape[1])
-    mine[: len(x_sorted)] = x_sorted
-    dist.all_gather(buffers, mine, group=group)
-    per_rank = len(counts) // n
-    received, counts_received = [], []
-    for source, (c, buf) in enumerate(zip(all_counts, buffers)):
-        parts[source] = buf[: sizes[source]]
-        start = int(c[: rank * per_rank].sum())
-        stop = start + int(c[rank * per_rank:(rank + 1) * per_rank].sum())
-        received.append(parts[source][start:stop])
-        counts_received.append(c[rank * per_rank:(rank + 1) * per_rank])
-    return torch.cat(received), torch.stack(counts_received)
-
-
-def _everything_dispatch(x_sorted, counts, group=None):  # every token to every rank, all_to_all_single only
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    counts_received = ep.exchange_counts(counts, group)
-    all_counts = torch.empty(n * len(counts), dtype=counts.dtype)
-    dist.all_to_all_single(all_counts, counts.repeat(n), group=group)  # every rank's counts, to every rank
-    all_counts = all_counts.view(n, -1)
-    sizes = all_counts.sum(1).tolist()
-    everything = ep.AllToAll.apply(x_sorted.repeat(n, 1), sizes, [len(x_sorted)] * n, group)
-    per_rank, parts, start = len(counts) // n, [], 0
-    for source in range(n):
-        before = int(all_counts[source, : rank * per_rank].sum())
-        parts.append(everything[start + before: start + before + int(counts_received[source].sum())])
-        start += sizes[source]
-    return torch.cat(parts), counts_received
-
-
-def _even_dispatch(x_sorted, counts, group=None):  # all_to_all_single without split sizes
-    counts_received = ep.exchange_counts(counts, group)
-    out = torch.empty_like(x_sorted)
-    dist.all_to_all_single(out, x_sorted, group=group)
-    return out, counts_received
-
-
-def _symmetric_dispatch(x_sorted, counts, group=None):  # no counts exchange: "I receive what I send"
-    n = dist.get_world_size(group)
-    counts_received = counts.view(n, -1)
-    send = counts_received.sum(1).tolist()
-    return ep.AllToAll.apply(x_sorted, send, send, group), counts_received
-
-
-def _two_rank_dispatch(x_sorted, counts, group=None):  # hard-coded for 2 ranks
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    counts_received = received.view(2, -1)
-    send = counts.view(2, -1).sum(1).tolist()
-    return ep.AllToAll.apply(x_sorted, counts_received.sum(1).tolist(), send, group), counts_received
-
-
-def _no_autograd_dispatch(x_sorted, counts, group=None):  # plain all_to_all_single: no gradient goes back
-    counts_received = ep.exchange_counts(counts, group)
-    n = dist.get_world_size(group)
-    send, receive = counts.view(n, -1).sum(1).tolist(), counts_received.sum(1).tolist()
-    out = x_sorted.new_empty(sum(receive), x_sorted.shape[1])
-    dist.all_to_all_single(out, x_sorted.detach(), receive, send, group=group)
-    return out, counts_received
-
-
-def _counts_by_expert_dispatch(x_sorted, counts, group=None):  # (E/N, N): experts as rows, sources as columns
-    n = dist.get_world_size(group)
-    counts_received = ep.exchange_counts(counts, group)
-    send, receive = counts.view(n, -1).sum(1).tolist(), counts_received.sum(1).tolist()
-    x_received = ep.AllToAll.apply(x_sorted, receive, send, group)
-    return x_received, counts_received.T.contiguous().view(counts_received.shape)
-
-
-_COURSE_DISPATCH, _COURSE_COMBINE = ep.dispatch, ep.combine  # the check puts the answer's in their place
-
-
-def _default_group_dispatch(x_sorted, counts, group=None):  # ignores group: all ranks
-    return _COURSE_DISPATCH(x_sorted, counts)
-
-
-def _default_group_combine(y_received, counts, counts_received, group=None):
-    return _COURSE_COMBINE(y_received, counts, counts_received)
-
-
-def _unswapped_combine(y_received, counts, counts_received, group=None):  # the dispatch's splits again
-    n = dist.get_world_size(group)
-    send = counts.view(n, -1).sum(1).tolist()
-    return ep.AllToAll.apply(y_received, counts_received.sum(1).tolist(), send, group)
-
-
-def _no_exchange_combine(y_received, counts, counts_received, group=None):  # results never sent back
-    return y_received
-
-
-@pytest.mark.parametrize(
-    "dispatch, combine, hint",
-    [
-        (_gather_dispatch, ep.combine, "all_gather of the tokens over all ranks"),
-        (_default_group_dispatch, _default_group_combine, "the ep group of a 2 x 2 mesh"),
-        (_even_dispatch, ep.combine, "differs from the single-process layer's"),
-        (_symmetric_dispatch, ep.combine, "differs from the single-process layer's"),
-        (_two_rank_dispatch, ep.combine, "with 3 ranks"),
-        (_no_autograd_dispatch, ep.combine, "use the differentiable AllToAll"),
-        (_counts_by_expert_dispatch, ep.combine, "a rank failed"),  # sizes that disagree: gloo refuses
-        (ep.dispatch, _unswapped_combine, "a rank failed"),
-        (ep.dispatch, _no_exchange_combine, "differs from the single-process"),
-        (_everything_dispatch, ep.combine, "an all-gather in disguise"),
-    ],
-)
-def test_dispatch_combine_rejects_wrong_answers(dispatch, combine, hint):
-    feedback = nb15.dispatch_combine(dispatch, combine)
+def test_merge_rejects_wrong_answers(answer, hint):
+    feedback = nb15.merge(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_dispatch_combine_accepts_the_course_functions_and_cases_cover_what_it_claims():
-    assert nb15.dispatch_combine(ep.dispatch, ep.combine).status == "correct"
-    assert sorted(case[0] for case in nb15.LAYER_CASES) == [2, 3, 4, 4]
-    assert any(case[-1] > 1 for case in nb15.LAYER_CASES)  # a layer on a subgroup
-    assert any(case[3] is not None for case in nb15.LAYER_CASES)  # a capacity that drops
-    assert any(len(set(case[5])) > 1 for case in nb15.LAYER_CASES)  # uneven tokens per rank
+@pytest.mark.parametrize("answer, hint", [(_first_as_ref, "an exp overflowed"), (_clamped, "exactly -inf")])
+def test_merge_rejects_near_misses_every_time(answer, hint):  # the check's inputs are random: try several
+    for _ in range(8):
+        feedback = nb15.merge(answer)
+        assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_the_stub_is_not_attempted():
-    def dispatch(x_sorted, counts, group=None):
-        ...
-
-    assert nb15.dispatch_combine(dispatch, ep.combine).status == "todo"
-
-    def within_capacity(experts, n_experts, capacity):
-        ...
-
-    def load_balancing_loss(routing):
+def test_an_untouched_stub_is_not_attempted():
+    def merge(out1, lse1, out2, lse2):
         """The docstring the student sees."""
         ...
 
-    assert nb15.routing(ep.route, within_capacity).status == "todo"
-    assert nb15.balancing_loss(load_balancing_loss).status == "todo"
+    def ring_forward(q, k, v, layout, causal=False):
+        ...
+
+    def zigzag_layout(seq_len, world_size):
+        ...
+
+    assert nb15.merge(merge).status == "todo"
+    assert nb15.ring_forward(ring_forward).status == "todo"
+    assert nb15.zigzag_layout(zigzag_layout).status == "todo"
 
 
-# ------------------------------------------------------------------ Exercise 4: bytes
+# ------------------------------------------------------------------ Exercise 2: ring_forward
 
 
-def _right(counts, rank, dim):
-    return int(counts[rank].sum() - counts[rank, rank]) * dim * 4
+def _merge_without_the_max(out1, lse1, out2, lse2):  # right in exact arithmetic; inf/nan for large scores
+    w1, w2 = lse1.exp(), lse2.exp()
+    return (w1[..., None] * out1 + w2[..., None] * out2) / (w1 + w2).clamp(min=1e-30)[..., None], (w1 + w2).log()
+
+
+def _ring(pass_fn=start_pass, peer_of=None, attend_causal=None, key_positions=None, overlap=True, result="pair",
+          merge_fn=merge, keep_clones=False, busy_wait=False, shape_of=None):
+    """A ring forward with one thing changed, to build the wrong answers below."""
+
+    def ring_forward(q, k, v, layout, causal=False):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        kv = torch.stack([k, v])
+        out = lse = None
+        kept = []
+        for step in range(n):
+            src = (rank - step) % n
+            shape = (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1])
+            if shape_of is not None:
+                shape = shape_of(k, layout, src, n)
+            if keep_clones:
+                kept.append(kv.clone())
+            if step < n - 1 and overlap:
+                incoming, requests = pass_fn(kv, shape)
+            mask = causal if attend_causal is None else attend_causal
+            k_pos = layout[src] if key_positions is None else layout[rank]
+            if busy_wait and step < n - 1:  # blocking: a dummy product between post and wait, then attend
+                if busy_wait == "k row":  # on a one-row view of K: K's storage, but not attention's work
+                    kv[0][..., :1, :] @ kv[0][..., :1, :].mT
+                else:
+                    torch.ones(2, 2) @ torch.ones(2, 2)
+                for request in requests:
+                    request.wait()
+                requests = []
+            o, l = attend(q, kv[0], kv[1], layout[rank], k_pos, mask)
+            out, lse = (o, l) if out is None else merge_fn(out, lse, o, l)
+            if step < n - 1:
+                if not overlap:
+                    incoming, requests = pass_fn(kv, shape)
+                for request in requests:
+                    request.wait()
+                kv = incoming
+        return (out, lse) if result == "pair" else out
+
+    return ring_forward
+
+
+def _waits_twice(q, k, v, layout, causal=False):  # right, but a second wait() hangs on gloo
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv, out, lse, requests = torch.stack([k, v]), None, None, []
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming, requests = start_pass(kv, (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))
+        o, l = attend(q, kv[0], kv[1], layout[rank], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        if step < n - 1:
+            for request in requests + requests:
+                request.wait()
+            kv = incoming
+    return out, lse
+
+
+def _two_rank_pass(tensor, shape, tag=0):  # the peer is "the other rank": right on 2 ranks only
+    incoming = tensor.new_empty(shape)
+    other = 1 - dist.get_rank()
+    return incoming, [dist.isend(tensor, other), dist.irecv(incoming, other)]
+
+
+def _blocking_pass(tensor, shape, tag=0):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = tensor.new_empty(shape)
+    if rank % 2:
+        dist.recv(incoming, (rank - 1) % n)
+        dist.send(tensor, (rank + 1) % n)
+    else:
+        dist.send(tensor, (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+    return incoming, []
+
+
+def _all_gather(q, k, v, layout, causal=False):
+    n = dist.get_world_size()
+    keys = [k.new_empty(*k.shape[:-2], len(p), k.shape[-1]) for p in layout]
+    values = [v.new_empty(*v.shape[:-2], len(p), v.shape[-1]) for p in layout]
+    dist.all_gather(keys, k.contiguous())
+    dist.all_gather(values, v.contiguous())
+    out = lse = None
+    for src in range(n):
+        o, l = attend(q, keys[src], values[src], layout[dist.get_rank()], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    return out, lse
+
+
+def _all_gather_functional(q, k, v, layout, causal=False):  # no dist.all_gather by name: caught by its size
+    import torch.distributed._functional_collectives as funcol
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    width = max(len(p) for p in layout)  # padded to equal sizes
+    pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-2], width - t.shape[-2], t.shape[-1])], -2)  # noqa: E731
+    keys = funcol.all_gather_tensor(pad(k).contiguous(), -2, list(range(n)))
+    values = funcol.all_gather_tensor(pad(v).contiguous(), -2, list(range(n)))
+    take = torch.cat([torch.arange(len(p)) + width * r for r, p in enumerate(layout)])
+    return attend(q, keys[..., take, :], values[..., take, :], layout[rank], torch.cat(layout), causal)
+
+
+def _everyone(q, k, v, layout, causal=False):  # every rank sends its K/V to every other rank directly
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kv = torch.stack([k, v])
+    buffers = {src: kv.new_empty(2, *k.shape[:-2], len(layout[src]), k.shape[-1]) for src in range(n) if src != rank}
+    requests = [dist.isend(kv, dst) for dst in range(n) if dst != rank]
+    requests += [dist.irecv(buffer, src) for src, buffer in buffers.items()]
+    out, lse = attend(q, k, v, layout[rank], layout[rank], causal)
+    for request in requests:
+        request.wait()
+    for src, buffer in buffers.items():
+        out, lse = merge(out, lse, *attend(q, buffer[0], buffer[1], layout[rank], layout[src], causal))
+    return out, lse
+
+
+def _keep_all(overlap):
+    """Every chunk passed around the ring and kept; attention on each one either while the next one
+    travels (overlap) or on all of them after the loop."""
+
+    def ring_forward(q, k, v, layout, causal=False):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        held = [torch.stack([k, v])]
+        out = lse = None
+        for step in range(n):
+            src = (rank - step) % n
+            if step < n - 1:
+                incoming, requests = start_pass(held[-1], (2, *k.shape[:-2], len(layout[(src - 1) % n]), k.shape[-1]))
+            if overlap:
+                o, l = attend(q, held[-1][0], held[-1][1], layout[rank], layout[src], causal)
+                out, lse = (o, l) if out is None else merge(out, lse, o, l)
+            if step < n - 1:
+                for request in requests:
+                    request.wait()
+                held.append(incoming)
+        if not overlap:
+            for step, kv in enumerate(held):
+                o, l = attend(q, kv[0], kv[1], layout[rank], layout[(rank - step) % n], causal)
+                out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        return out, lse
+
+    return ring_forward
+
+
+def _batched_pass(tensor, shape, tag=0):  # a right answer: the pass with batch_isend_irecv (picotron's way)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = tensor.new_empty(shape)
+    ops = [dist.P2POp(dist.isend, tensor, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+    return incoming, dist.batch_isend_irecv(ops)
+
+
+def _c10d_all_gather(q, k, v, layout, causal=False):  # the collective under distributed_c10d's name
+    from torch.distributed import distributed_c10d
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = lse = None
+    for src in range(n):
+        keys = [k.new_empty(*k.shape[:-2], len(p), k.shape[-1]) for p in layout]
+        values = [v.new_empty(*v.shape[:-2], len(p), v.shape[-1]) for p in layout]
+        distributed_c10d.all_gather(keys, k.contiguous())
+        distributed_c10d.all_gather(values, v.contiguous())
+        o, l = attend(q, keys[src], values[src], layout[rank], layout[src], causal)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    return out, lse
+
+
+def _own_chunk_only(q, k, v, layout, causal=False):
+    rank = dist.get_rank()
+    return attend(q, k, v, layout[rank], layout[rank], causal)
+
+
+# The notebook's Exercise 2 answer is this very code (tests/test_context_parallel.py: the notebook derives it), and
+# its check cell's stored verdict is compared by nbval.
+@pytest.mark.repeats_solution_notebook
+@pytest.mark.parametrize("path", [SOLUTION], ids=lambda p: p.stem)
+def test_ring_forward_accepts_the_course_ring(path):
+    assert nb15.ring_forward(cp.ring_forward).status == "correct"
+
+
+def test_ring_forward_accepts_batch_isend_irecv():
+    feedback = nb15.ring_forward(_ring(pass_fn=_batched_pass))
+    assert feedback.status == "correct", feedback
 
 
 @pytest.mark.parametrize(
-    "predict, hint",
+    "answer, hint",
     [
-        (lambda c, r, d: int(c[r].sum()) * d * 4, "own chunk is copied in memory"),
-        (lambda c, r, d: int(c[:, r].sum() - c[r, r]) * d * 4, "what the rank receives"),
-        (lambda c, r, d: int(c[r].sum() - c[r, r]) * d, "a float32 value is 4 bytes"),
-        (lambda c, r, d: 16 * d * 4 * (len(c) - 1) // len(c), "you predicted"),  # a balanced-load law
-        (lambda c, r, d: 4352, "you predicted"),  # one right answer, hard-coded
-        (lambda c, r, d: int(c[r].sum() - c[r, r]) * 128 * 4, "you predicted"),  # dim hard-coded
-        (lambda c, r, d: "many", "return a number of bytes"),
-        (lambda c, r, d: _right(c, r, d) + d * 4, "you predicted"),  # one token too many
-        (lambda c, r, d: _right(c, r, d) - d * 4, "you predicted"),  # one token too few
-        (lambda c, r, d: _right(nb15.random_send_counts(len(c), len(c) - 2), r, d), "you predicted"),  # a table
+        (_all_gather, "called dist.all_gather"),
+        (_all_gather_functional, "built a tensor of"),
+        (_everyone, "chunks' K and V at once"),  # on 3 ranks both peers are neighbours; 4 buffers alive
+        (_ring(pass_fn=_two_rank_pass), "compute the neighbours"),
+        (_ring(pass_fn=_blocking_pass), "called dist.send"),
+        (_ring(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product on a chunk"),
+        (_ring(attend_causal=False), "*without* the causal mask"),
+        (_ring(key_positions="mine"), "failed: IndexError"),  # positions of another chunk: the wrong length
+        (_ring(result="out"), "return a pair"),
+        (_waits_twice, "waited twice for the same request"),
+        (_keep_all(overlap=False), "between posting each irecv and waiting for it the check saw no matrix product on a chunk"),
+        (_keep_all(overlap=True), "chunks' K and V at once"),
+        (_c10d_all_gather, "called dist.all_gather"),
+        (_own_chunk_only, "no isend/irecv seen"),
+        (_ring(merge_fn=_merge_without_the_max), "has inf or nan"),
+        (_ring(keep_clones=True), "(receive buffers, stacks, clones: any copy)"),
+        (_ring(busy_wait=True), "no matrix product on a chunk's keys or values"),
+        (_ring(busy_wait="k row"), "a product on a few rows of K is not attention"),
+        (_ring(shape_of=lambda k, layout, src, n: (2, *k.shape[:-2], len(layout[src]), k.shape[-1])),
+         "receive buffer number"),  # the shape of the chunk held, not of the one arriving: uneven chunks differ
     ],
 )
-def test_bytes_sent_rejects_wrong_answers(predict, hint):
-    feedback = nb15.bytes_sent(predict)
-    # the counts are drawn at random: a wrong guess may, by chance, equal what a rank receives (its column),
-    # its row with its own chunk or its payload in values, and is then named as that mistake (too)
-    by_chance = ("what the rank receives", "own chunk is copied", "a float32 value is 4 bytes") if hint == "you predicted" else ()
-    assert feedback.status == "wrong" and any(h in feedback.message for h in (hint, *by_chance)), feedback
-
-
-def test_bytes_sent_names_both_mistakes_when_the_counts_make_them_equal(monkeypatch):
-    """SEED 0 draws [[2, 6], [8, 2]] on 2 ranks: rank 0 receives 8 tokens, as many as its whole row. The
-    column (what it receives) was named as the row with its own chunk, 1 draw in ~25 (the flaky test above)."""
-    monkeypatch.setattr(nb15, "SEED", 0)
-    feedback = nb15.bytes_sent(lambda c, r, d: int(c[:, r].sum() - c[r, r]) * d * 4)
-    assert feedback.status == "wrong" and "what the rank receives" in feedback.message, feedback
-    assert "own chunk is copied in memory" in feedback.message, feedback
-
-
-def test_bytes_sent_names_values_for_bytes_when_it_equals_what_the_rank_receives(monkeypatch):
-    """SEED 10 draws [[8, 4], [1, 5]] on 2 ranks: rank 0's 4 tokens in values (4 x 96) equal the 1 token it
-    receives in bytes (96 x 4). That answer was named only 'what the rank receives', ~1 draw in 45."""
-    monkeypatch.setattr(nb15, "SEED", 10)
-    feedback = nb15.bytes_sent(lambda c, r, d: int(c[r].sum() - c[r, r]) * d)
-    assert feedback.status == "wrong" and "a float32 value is 4 bytes" in feedback.message, feedback
-    assert "what the rank receives" in feedback.message, feedback
-
-
-def test_bytes_sent_accepts_the_payload_and_the_payload_plus_headers():
-    assert nb15.bytes_sent(_right).status == "correct"
-    assert nb15.bytes_sent(lambda c, r, d: (c[r].sum() - c[r, r]) * d * 4).status == "correct"  # a 0-d tensor
-    assert len(set(nb15.BYTES_DIMS.values())) == len(nb15.BYTES_DIMS)  # dim varies with the world size
-    assert nb15.bytes_sent(lambda c, r, d: _right(c, r, d) + 144 * (len(c) - 1)).status == "correct"
-
-
-def test_random_send_counts_keep_a_chunk_at_home():
-    for n, seed in ((2, 0), (3, 1), (4, 2)):
-        counts = nb15.random_send_counts(n, seed)
-        assert (counts.diagonal() >= 2).all() and len(set(counts.flatten().tolist())) > 2
-
-
-# ------------------------------------------------------------------ Exercise 5: EP x DP gradient sync
-
-
-def _trained(model):  # the parameters with a gradient (the check's experts have frozen biases)
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _ddp_average(model, expert_data_group):  # the colleague's bug: experts divided by the dp group's size
-    experts = ep.expert_parameters(model)
-    for p in _trained(model):
-        group = expert_data_group if id(p) in experts else None
-        dist.all_reduce(p.grad, group=group)
-        p.grad /= dist.get_world_size(group)
-
-
-def _everything_over_all_ranks(model, expert_data_group):
-    for p in _trained(model):
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-
-def _router_over_dp_group(model, expert_data_group):
-    for p in _trained(model):
-        dist.all_reduce(p.grad, group=expert_data_group)
-        p.grad /= dist.get_world_size()
-
-
-def _hard_coded_four(model, expert_data_group):
-    experts = ep.expert_parameters(model)
-    for p in _trained(model):
-        dist.all_reduce(p.grad, group=expert_data_group if id(p) in experts else None)
-        p.grad /= 4
-
-
-def _frozen_not_skipped(model, expert_data_group):  # right, but all_reduce(None) for a frozen parameter
-    experts = ep.expert_parameters(model)
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=expert_data_group if id(p) in experts else None)
-        p.grad /= dist.get_world_size()
-
-
-def _experts_not_synced(model, expert_data_group):
-    experts = ep.expert_parameters(model)
-    for p in _trained(model):
-        if id(p) not in experts:
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
-
-
-@pytest.mark.parametrize(
-    "sync, hint",
-    [
-        (_ddp_average, "the router is right but the experts are not"),
-        (_everything_over_all_ranks, "the router is right but the experts are not"),
-        (_router_over_dp_group, "the experts are right but the router is not"),
-        (_hard_coded_four, "on a 2 x 1 mesh"),
-        (_experts_not_synced, "the experts are not"),
-        (_frozen_not_skipped, "frozen biases"),
-    ],
-)
-def test_ep_dp_sync_rejects_wrong_answers(sync, hint):
-    feedback = nb15.ep_dp_sync(sync)
+def test_ring_forward_rejects_wrong_answers(answer, hint, monkeypatch):
+    monkeypatch.setattr(nb15, "TIMEOUT", 10)  # a ring that hangs is reported after this
+    feedback = nb15.ring_forward(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def test_ep_dp_sync_accepts_the_course_function():
-    assert nb15.ep_dp_sync(ep.sync_gradients).status == "correct"
+# ------------------------------------------------------------------ Exercise 3: zigzag_layout
+
+
+def _slices(seq_len, world_size):
+    return torch.arange(seq_len).tensor_split(2 * world_size)
+
+
+def _view(seq_len, world_size):  # raises when 2N does not divide the length
+    return torch.arange(seq_len).view(2 * world_size, -1)
+
+
+def _cut(seq_len, world_size):  # slices of seq_len // 2N tokens: drops the rest when 2N does not divide
+    size = seq_len // (2 * world_size)
+    return [torch.arange(i * size, (i + 1) * size) for i in range(2 * world_size)]
+
+
+# the course's layouts for the lengths the check used to try, written out
+_HARD_CODED = {(s, n): [p.tolist() for p in cp.zigzag_layout(s, n)] for s, n in ((24, 2), (24, 3), (32, 4))}
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (cp.contiguous_layout, "not balanced"),
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[r + n]]) for r in range(n)], "not balanced"),
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - r]]) for r in range(n)], "raised IndexError"),
+        (lambda s, n: [torch.arange(r, s, n) for r in range(n)], "more than two slices"),
+        (lambda s, n: [torch.arange(s)], "one per rank"),
+        (lambda s, n: _HARD_CODED[s, n], "raised KeyError"),
+        (lambda s, n: [torch.cat([_view(s, n)[r], _view(s, n)[2 * n - 1 - r]]) for r in range(n)], "2N does not divide"),
+        (lambda s, n: [torch.cat([_cut(s, n)[r], _cut(s, n)[2 * n - 1 - r]]) for r in range(n)], "none is dropped"),
+        (lambda s, n: [torch.cat([_slices(s, n)[r], _slices(s, n)[2 * n - 1 - r]]) for r in range(n - 1)] + [torch.arange(0)],
+         "every token exactly once"),
+        (lambda s, n: 42, "one 1-D tensor of token positions per rank"),
+    ],
+)
+def test_zigzag_layout_rejects_wrong_answers(answer, hint):
+    feedback = nb15.zigzag_layout(answer)
+    assert feedback.status == "wrong" and hint in feedback.message, feedback
+
+
+# The notebook's Exercise 3 answer is this very code (tests/test_context_parallel.py), its verdict compared by nbval.
+@pytest.mark.repeats_solution_notebook
+@pytest.mark.parametrize("path", [SOLUTION], ids=lambda p: p.stem)
+def test_zigzag_layout_accepts_the_course_layout(path):
+    assert nb15.zigzag_layout(cp.zigzag_layout).status == "correct"
+
+
+def test_zigzag_layout_accepts_lists():
+    as_lists = lambda s, n: [p.tolist() for p in cp.zigzag_layout(s, n)]  # noqa: E731
+    assert nb15.zigzag_layout(as_lists).status == "correct"

@@ -1,199 +1,219 @@
-"""The capstone's checks reject plausible wrong answers with a useful hint."""
+"""Notebook 17's checks reject plausible wrong answers with a useful hint."""
 
+import random
+import types
+
+import nbformat
 import pytest
 
 from course.checks import nb17
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
-import math
+from course.classroom.notebooks import SOLUTIONS
+from course.parallel import schedules
 
-from course.parallel import planner
-from course.parallel.planner import LLAMA3_8B, Config
-
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README); the planner's
-# activation coefficient is measured on this torch's kernels (torch 2.8's keep other tensors).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
 
-def _grid(dp, pp, tp):  # the solution, written independently of the package
-    rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
-    return {
-        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
-    }
+def _rows(orders):
+    return [(r, s, op, i, c) for r, order in enumerate(orders) for s, (op, i, c) in enumerate(order)]
 
 
-def _tp_slowest(dp, pp, tp):  # rank = (t * pp + p) * dp + d: the dimensions in the wrong order
-    rank = lambda d, p, t: (t * pp + p) * dp + d  # noqa: E731
-    return {
-        "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
-    }
+def _interleaved(warmup_of=None, reverse=True):
+    """Interleaved 1F1B written independently of the package, with a warm-up and backward order to vary."""
+
+    def table(p, m, v):
+        rounds = max(1, m // p)
+        size = -(-m // rounds)
+        starts = [sum(m // rounds + (j < m % rounds) for j in range(k)) for k in range(rounds + 1)]
+        fwd = [(i, c) for k in range(rounds) for c in range(v) for i in range(starts[k], starts[k + 1])]
+        chunks = (lambda v: reversed(range(v))) if reverse else range
+        bwd = [(i, c) for k in range(rounds) for c in chunks(v) for i in range(starts[k], starts[k + 1])]
+        orders = []
+        for r in range(p):
+            w = min(warmup_of(p, m, v, r, size) if warmup_of else (v - 1) * size + 2 * (p - 1 - r), m * v)
+            order = [("F", *f) for f in fwd[:w]]
+            for k in range(m * v - w):
+                order += [("F", *fwd[w + k]), ("B", *bwd[k])]
+            orders.append(order + [("B", *b) for b in bwd[m * v - w:]])
+        return _rows(orders)
+
+    return table
 
 
-def _hard_coded(dp, pp, tp):  # the 2 x 2 x 2 answer, copied from the printed table
-    return {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+def _zb(lag=lambda r: r, warmup=lambda p, r: p - r - 1, w_first=False):
+    """ZB-H1 written independently: rank r's W's lag ``lag(r)`` behind its B's."""
+
+    def table(p, m):
+        orders = []
+        for r in range(p):
+            ws = min(warmup(p, r), m)
+            order, due = [("F", i, 0) for i in range(ws)], 0
+            for i in range(m):
+                if ws + i < m:
+                    order.append(("F", ws + i, 0))
+                b = ("B", i, 0)
+                if i - due >= lag(r):
+                    order += [("W", due, 0), b] if w_first else [b, ("W", due, 0)]
+                    due += 1
+                else:
+                    order.append(b)
+            orders.append(order + [("W", i, 0) for i in range(due, m)])
+        return _rows(orders)
+
+    return table
 
 
-def _swapped(dp, pp, tp):  # dp and tp groups exchanged
-    g = _grid(dp, pp, tp)
-    return {"dp": g["tp"], "pp": g["pp"], "tp": g["dp"]}
+def _stub(p, m, v):
+    ...
 
 
-def _strided_pp(dp, pp, tp):  # pp groups stride by 1 instead of tp
-    g = _grid(dp, pp, tp)
-    g["pp"] = [list(range(start, start + pp)) for start in range(0, dp * pp * tp, pp)]
-    return g
+def _stub_zb(p, m):
+    ...
 
 
-def _table(dp, pp, tp):  # the six listed shapes' answers, copied out; anything else made up
-    known = {shape: _grid(*shape) for shape in nb17.SHAPES}
-    return known.get((dp, pp, tp), _grid(1, 1, dp * pp * tp))
+def test_interleaved_accepts_a_right_answer_and_says_not_attempted_for_the_stub():
+    assert nb17.interleaved(_interleaved()).status == "correct"
+    # a shorter warm-up (1F1B's p - 1 - r below the rank) reaches the same bubble with less memory: accepted
+    assert nb17.interleaved(_interleaved(lambda p, m, v, r, size: (v - 1) * size + (p - 1 - r))).status == "correct"
+    assert nb17.interleaved(_stub).status == "todo"
 
 
-def _only_mine(dp, pp, tp):  # rank 0's groups only
-    g = _grid(dp, pp, tp)
-    return {dim: groups[:1] for dim, groups in g.items()}
+def _b_before_f(p, m, v):
+    rows = _interleaved()(p, m, v)
+    first = [row for row in rows if row[0] == 0 and row[2] == "B"][0]
+    return [(r, -1 if (r, op, i, c) == (0, *first[2:]) else s, op, i, c) for r, s, op, i, c in rows]
 
 
-def test_mesh_groups_accepts_a_solution_in_any_order():
-    assert nb17.mesh_groups(_grid).status == "correct"
-    reordered = lambda *shape: {dim: [list(reversed(g)) for g in reversed(gs)] for dim, gs in _grid(*shape).items()}  # noqa: E731
-    assert nb17.mesh_groups(reordered).status == "correct"
+def _torch_under_another_name(p, m, v):
+    """torch's own order (its _calculate_single_rank_operations, without building a stage), renamed."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, m // p)
+    fake = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    orders = []
+    for r in range(p):
+        actions = [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) if a is not None]
+        orders.append([("F" if a.computation_type.value == "F" else "B", a.microbatch_index, a.stage_index // p)
+                       for a in actions])
+    return _rows(orders)
+
+
+def test_torch_under_another_name_is_right_without_the_check():
+    """The wrong answer below is torch's real order: equal to the right table where torch accepts m."""
+    assert schedules.orders_of([schedules.Op(*r) for r in _torch_under_another_name(2, 4, 2)], 2) == \
+        schedules.orders_of(schedules.interleaved_1f1b(2, 4, 2), 2)
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (_tp_slowest, "tp varies fastest"),
-        (_hard_coded, "(1, 2, 4)"),
-        (_table, "for (dp, pp, tp) = ("),
-        (_swapped, "your tp groups are the dp groups"),
-        (_strided_pp, "pp groups should be"),
-        (_only_mine, "cover every rank exactly once"),
-        (lambda dp, pp, tp: [[0]], 'return a dict with the keys "dp", "pp" and "tp"'),
-        (lambda dp, pp, tp: 1 / 0, "ZeroDivisionError"),
-        (__import__("course.parallel.parallel3d").parallel.parallel3d.mesh_groups, "course's own"),
+        (_b_before_f, "before its F"),
+        (_interleaved(reverse=False), "deadlocks"),  # backwards through the chunks in forward order
+        (_interleaved(lambda p, m, v, r, size: m * v), "too many in the warm-up"),  # every forward first: GPipe's
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * (1 - r)), "p = 4"),  # right for p = 2 only
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size), "idles"),  # no 1F1B warm-up below the rank
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * p + 2 * (p - 1 - r)), "p = 4, m = 6"),  # m % p == 0 only
+        (_interleaved(lambda p, m, v, r, size: (v - 1) * size + 2 * min(p - 1 - r, 3)), "p = 5"),  # right for p <= 4
+        (_interleaved(lambda p, m, v, r, size: m * v if m > 8 else (v - 1) * size + 2 * (p - 1 - r)),
+         "holds up to"),  # GPipe's memory for m > 8 only
+        (lambda p, m, v: _interleaved()(p, m, 1) if v == 1 else _interleaved()(p, m, 1)[:0], "missing"),
+        (_torch_under_another_name, "asks torch.distributed.pipelining"),
+        (schedules.interleaved_1f1b, "course's own finished version"),
+        (lambda p, m, v: _zb()(p, m), "no W"),
+        (lambda p, m, v: 1 / 0, "ZeroDivisionError"),
+        ((2, 4, 2), "write a function"),
     ],
 )
-def test_mesh_groups_rejects_wrong_answers(answer, hint):
-    feedback = nb17.mesh_groups(answer)
+def test_interleaved_rejects_wrong_answers(answer, hint):
+    feedback = nb17.interleaved(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def _state(params, zero, dp):  # the solution, written independently of the check
-    return (2 / (dp if zero == 3 else 1) + 2 / (dp if zero >= 2 else 1) + 12 / (dp if zero else 1)) * params / 1e9
+def test_zero_bubble_accepts_a_right_answer_and_says_not_attempted_for_the_stub():
+    assert nb17.zero_bubble(_zb()).status == "correct"
+    assert nb17.zero_bubble(_stub_zb).status == "todo"
 
 
-def test_state_gb_accepts_the_answer():
-    assert nb17.state_gb(_state).status == "correct"
+def _torch_zb(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
-
-def _via_planner(params, zero, dp):  # the planner's own memory() for a model of that size
-    model = planner.Model("x", layers=1, hidden=1, ffn=1, heads=1, kv_heads=1, vocab=1)
-    used = planner.memory(model, Config(dp=dp, zero=zero), 1, dp)
-    return (used["parameters"] + used["gradients"] + used["optimizer"]) / model.params() * params / 1e9
+    fake = types.SimpleNamespace(n_local_stages=1, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m)
+    orders = [[({"F": "F", "I": "B", "W": "W"}[a.computation_type.value], a.microbatch_index, 0)
+               for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, r) if a is not None]
+              for r in range(p)]
+    return _rows(orders)
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (lambda p, z, dp: 16 * p / dp / 1e9, "Each ZeRO stage shards a different part"),
-        (lambda p, z, dp: 16 * p / 1e9, "Each ZeRO stage shards a different part"),
-        (lambda p, z, dp: _state(p, z, dp) * 1e9 / 2**30, "GiB"),
-        (lambda p, z, dp: _state(p, z, dp) + 2 * p / (dp if z >= 2 else 1) / 1e9, "fp32 gradients"),
-        (lambda p, z, dp: _state(p, z, dp) - 4 * p / (dp if z else 1) / 1e9, "master weights"),
-        (lambda p, z, dp: _state(p, min(z + 1, 3), dp), "another ZeRO stage"),
-        (lambda p, z, dp: _state(p, 1, 8) if (p, z, dp) == (LLAMA3_8B.params(), 1, 8) else 0.0, "See the hint"),
-        (lambda p, z, dp: "44", "return a number"),
-        (lambda p, z, dp: math.nan, "return a number"),
-        (lambda p, z, dp: 1 / 0, "ZeroDivisionError"),
-        (_via_planner, "course's own"),
+        (lambda p, m: _interleaved()(p, m, 1), "no W"),  # 1F1B
+        (_zb(w_first=True), "before its B"),
+        (_zb(lag=lambda r: 10**6), "W's are held back too long"),  # every W at the end
+        (_zb(lag=lambda r: r + 1), "W's are held back too long"),  # one W too many deferred, warm-up right
+        (_zb(lag=lambda r: 0, warmup=lambda p, r: p - r), "too many in the warm-up"),  # one forward too many
+        (_zb(warmup=lambda p, r: p - r), "holds up to"),  # both: the warm-up is named first
+        (_zb(lag=lambda r: 0), "idles"),  # W right after B: 1F1B's bubble
+        (_zb(lag=lambda r: r, warmup=lambda p, r: 1 - r), "p = 4"),  # 1F1B's warm-up for p = 2 only
+        (_zb(warmup=lambda p, r: r), "deadlocks"),  # the warm-up reversed: rank 0 waits for a gradient of F1
+        (_zb(lag=lambda r: min(r, 3)), "p = 5"),  # right for p <= 4
+        (_torch_zb, "asks torch.distributed.pipelining"),
+        (schedules.zb_h1, "course's own finished version"),
     ],
 )
-def test_state_gb_rejects_wrong_answers(answer, hint):
-    feedback = nb17.state_gb(answer)
+def test_zero_bubble_rejects_wrong_answers(answer, hint):
+    feedback = nb17.zero_bubble(answer)
     assert feedback.status == "wrong" and hint in feedback.message, feedback
 
 
-def _activations(model, config, seq, batch, stage, c):  # the solution, written independently of the check
-    split = (config.tp if config.sp else 1) * config.cp
-    m = max(1, batch // (config.dp * config.micro_batch))
-    return c * seq * config.micro_batch * model.hidden / split * planner.stage_layers(model, config.pp, stage) * min(
-        config.pp - stage, m)
+def test_torch_schedules_work_again_after_the_check():
+    from torch.distributed.pipelining import schedules as ts
+
+    before = ts.ScheduleInterleaved1F1B.__init__, ts._get_1f1b_rank_ops
+    nb17.zero_bubble(_torch_zb)
+    assert (ts.ScheduleInterleaved1F1B.__init__, ts._get_1f1b_rank_ops) == before
+    assert _torch_zb(2, 4) == _zb()(2, 4)  # torch's ZB order with one chunk per rank is ZB-H1's
 
 
-def test_activation_bytes_accepts_the_answer():
-    assert nb17.activation_bytes(_activations).status == "correct"
+def _looked_up(tables):
+    return lambda *point: tables[point]
 
 
-def _tweak(**change):  # the solution with one mistake
-    def answer(model, config, seq, batch, stage, c):
-        m = max(1, batch // (config.dp * config.micro_batch))
-        split = change.get("split", lambda c_: (c_.tp if c_.sp else 1) * c_.cp)(config)
-        held = change.get("held", lambda p, s, m_: min(p - s, m_))(config.pp, stage, m)
-        layers = change.get("layers", lambda mo, p, s: planner.stage_layers(mo, p, s))(model, config.pp, stage)
-        return c * seq * config.micro_batch * model.hidden / split * layers * held
-    return answer
+@pytest.mark.parametrize("seed", range(5))
+def test_a_dict_of_tables_prepared_for_every_fixed_case_fails_on_the_points_drawn_at_call_time(seed):
+    """Tables precomputed (here the course's own, so right) for every fixed case and every point the
+    check drew before this change: the 3 points drawn when the check runs are not among them."""
+    ex1 = {pmv: [tuple(r) for r in schedules.interleaved_1f1b(*pmv)]
+           for pmv in {*nb17.INTERLEAVED, *((p, m, v) for p in range(2, 6) for m in range(2, 13) for v in range(1, 5))}}
+    ex2 = {pm: [tuple(r) for r in schedules.zb_h1(*pm)]
+           for pm in {*nb17.ZERO_BUBBLE, *((p, m) for p in range(2, 7) for m in range(2, 13))}}
+    random.seed(seed)
+    feedback = nb17.interleaved(_looked_up(ex1))
+    assert feedback.status == "wrong" and "KeyError" in feedback.message, feedback
+    random.seed(seed)
+    feedback = nb17.zero_bubble(_looked_up(ex2))
+    assert feedback.status == "wrong" and "KeyError" in feedback.message, feedback
 
 
-def _memory_less_logits(model, config, seq, batch, stage, c):  # the planner's own memory(), logits taken off
-    used = planner.memory(model, config, seq, batch, stage=stage)["activations"]
-    return used * c / planner.activation_coefficient(model)
+def test_success_messages_fit_in_100_columns():
+    for check, answer in [(nb17.interleaved, _interleaved()), (nb17.zero_bubble, _zb())]:
+        feedback = check(answer)
+        assert feedback.status == "correct" and max(map(len, repr(feedback).splitlines())) <= 100, feedback
 
 
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (_tweak(split=lambda c_: c_.tp * c_.cp), "only then"),  # split over tp without SP too
-        (_tweak(split=lambda c_: c_.cp), "only then"),  # never split over tp
-        (_tweak(split=lambda c_: c_.tp if c_.sp else 1), "context parallelism"),
-        (_tweak(held=lambda p, s, m: m), "GPipe"),
-        (_tweak(held=lambda p, s, m: p - s), "more micro-batches than the step has"),  # forgets that the step may have fewer micro-batches
-        (_tweak(held=lambda p, s, m: min(p, m)), "the later stages"),
-        (_tweak(layers=lambda mo, p, s: mo.layers // p), "stage_layers"),
-        (lambda model, config, seq, batch, stage, c: _activations(model, config, seq, batch, stage, c)
-         / config.micro_batch, "config.micro_batch sequences"),  # forgets the micro-batch's size
-        (lambda *args: 0.0, "See the hint"),
-        (lambda *args: "1e9", "return a number"),
-        (lambda model, config, *args: 1 / 0, "ZeroDivisionError"),
-        (_memory_less_logits, "course's own"),
-        (lambda model, config, seq, batch, stage, c: c * planner.in_flight("1f1b", config.pp, max(
-            1, batch // (config.dp * config.micro_batch)), stage) * seq * config.micro_batch * model.hidden, "course's own"),
-    ],
-)
-def test_activation_bytes_rejects_wrong_answers(answer, hint):
-    feedback = nb17.activation_bytes(answer)
-    assert feedback.status == "wrong" and hint in feedback.message, feedback
-
-
-@pytest.mark.parametrize("bad", [dict(dp=-64, tp=-1), dict(dp=64, zero=5), dict(dp=64, micro_batch=0), dict(dp=8.0)])
-def test_config_refuses_impossible_values(bad):
-    with pytest.raises(ValueError, match="Config:"):
-        Config(**bad)
-
-
-# The check's own references answer Exercises 2 and 3 as well as the package's finished versions do: they are
-# private, not advertised by the notebook, and refused like the package's (finished=), in every form.
-@pytest.mark.parametrize(
-    "check, answer",
-    [
-        (nb17.state_gb, nb17._state_gb),
-        (nb17.state_gb, lambda p, z, d: nb17._state_gb(p, z, d)),
-        (nb17.activation_bytes, nb17._activations),
-        (nb17.activation_bytes, lambda *a: nb17._activations(*a)),
-    ],
-)
-def test_the_checks_own_references_are_refused(check, answer):
-    feedback = check(answer)
-    assert feedback.status == "wrong" and "course's own" in feedback.message, feedback
-
-
-def test_the_references_are_private_and_work_outside_a_check():
-    assert not [name for name in vars(nb17) if name.startswith("reference_") and callable(getattr(nb17, name))
-                and name != "reference_groups"]
-    assert nb17._state_gb(1_000_000, 0, 4) == pytest.approx(0.016)  # unguarded once the check is over
+def test_exercise_1_asks_for_the_warm_up_and_shows_it_only_after_the_check():
+    """The text before Exercise 1 states the rules and asks for a prediction; the warm-up count
+    appears first in the cell after the check; hint() gives the counting rule, not the count."""
+    cells = nbformat.read(SOLUTIONS / "17_pipeline_schedules.ipynb", as_version=4).cells
+    check = next(i for i, c in enumerate(cells) if c.source.strip() == "check.interleaved(interleaved_1f1b)")
+    before = "\n".join(c.source for c in cells[:check] if c.cell_type == "markdown")
+    assert "**Predict**" in before and "forwards before its first backward" in before
+    for formula in ("2(p-1-r)", "2(p - 1 - r)", "(v-1)\\cdot", "(v - 1) * (round size)"):
+        assert formula not in before, formula
+    assert "2 * (P - 1 - r)" in cells[check + 2].source
+    hint = str(nb17.interleaved.hint())
+    assert "larger rounds first" in hint  # a split with the remainder in the last round fails otherwise
+    assert "round trip" in hint and "2 * (p - 1 - r)" not in hint and "(round size)" not in hint

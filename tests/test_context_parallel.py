@@ -1,7 +1,7 @@
-"""course.parallel.context_parallel (notebook 14): ring attention computes full attention's output and
+"""course.parallel.context_parallel (notebook 15): ring attention computes full attention's output and
 the gradients of q, k and v on 1-4 ranks, with and without a causal mask, for sequence lengths
 that do not divide over the ranks, in both layouts; the zig-zag layout balances causal work;
-the forward sends (N-1) K/V chunks per rank; notebook 14 derives the package's code."""
+the forward sends (N-1) K/V chunks per rank; notebook 15 derives the package's code."""
 
 import inspect
 
@@ -130,7 +130,7 @@ def test_a_layout_that_does_not_fit_is_refused_with_a_clear_error():
     assert launch(_bad_layout, 2, show=None) == [True, True]
 
 
-# ------------------------------------------------------------------ notebook 14 derives this code
+# ------------------------------------------------------------------ notebook 15 derives this code
 
 
 @pytest.mark.parametrize(
@@ -138,8 +138,8 @@ def test_a_layout_that_does_not_fit_is_refused_with_a_clear_error():
     ["contiguous_layout", "zigzag_layout", "visible", "attend", "merge", "start_pass", "ring_forward", "attend_backward", "RingAttention"],
 )
 def test_the_notebook_derives_the_package_code(name):
-    derived = definitions(SOLUTIONS / "14_context_parallel.ipynb")
-    assert name in derived, f"notebook 14 no longer defines {name}"
+    derived = definitions(SOLUTIONS / "15_context_parallel.ipynb")
+    assert name in derived, f"notebook 15 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(cp, name)).rstrip(), (
-        f"notebook 14's {name} differs from course/parallel/context_parallel.py: keep them identical"
+        f"notebook 15's {name} differs from course/parallel/context_parallel.py: keep them identical"
     )

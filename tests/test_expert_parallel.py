@@ -2,7 +2,7 @@
 input, router and expert gradients) on 2-4 ranks, with dropped tokens and with a rank that
 receives no token; the capacity and the balancing loss do what their docstrings say; EP x DP
 with sync_gradients trains like one process, and averaging expert gradients over the EP group
-does not; notebook 15 derives the package's code."""
+does not; notebook 16 derives the package's code."""
 
 import copy
 import functools
@@ -15,13 +15,13 @@ import torch.distributed as dist
 from course.parallel import expert_parallel as ep
 import course
 from course import launch
-from course.checks import nb15
+from course.checks import nb16
 from course.classroom.notebooks import SOLUTIONS, definitions
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the same sums, perhaps in another order
@@ -173,7 +173,7 @@ def _rows_to_self_differ(rank, world_size):  # rank 0 sends itself 2 rows but ex
 
 
 def test_rows_to_and_from_itself_that_differ_raise_gloos_runtime_error():
-    # notebook 15, section 2: the one disagreement of split sizes that is a Python exception (torch 2.15, gloo)
+    # notebook 16, section 2: the one disagreement of split sizes that is a Python exception (torch 2.15, gloo)
     with pytest.raises(course.WorkerError, match=r"RuntimeError.*alltoallv\.cc.*inLengthPerRank\[myRank\] == "
                        r"outLengthPerRank\[myRank\]"):
         launch(_rows_to_self_differ, 2, show=None, timeout=30)
@@ -188,11 +188,11 @@ def test_experts_that_do_not_split_evenly_are_refused_with_a_clear_error():
 
 @pytest.mark.parametrize("world_size, dp", [(2, 1), (4, 2), (4, 1), (2, 2)])
 def test_ep_times_dp_with_sync_gradients_trains_like_one_process(world_size, dp):
-    results = launch(nb15.train_ep_dp, world_size, dp, ep.sync_gradients, show=None, timeout=120)
-    moe = nb15.train_one_process(world_size)
-    assert nb15.compare_training(results, moe) == (True, True)
-    assert not torch.allclose(moe.router.weight, nb15.make_moe(4, 2, 1.0).router.weight)  # it did train
-    # (wrong syncs, e.g. experts averaged over the wrong group: tests/test_checks_nb15.py and notebook 15)
+    results = launch(nb16.train_ep_dp, world_size, dp, ep.sync_gradients, show=None, timeout=120)
+    moe = nb16.train_one_process(world_size)
+    assert nb16.compare_training(results, moe) == (True, True)
+    assert not torch.allclose(moe.router.weight, nb16.make_moe(4, 2, 1.0).router.weight)  # it did train
+    # (wrong syncs, e.g. experts averaged over the wrong group: tests/test_checks_nb16.py and notebook 16)
 
 
 def _sync_with_frozen_unused_and_shared(rank, world_size):
@@ -253,7 +253,7 @@ def test_ranks_initialised_differently_start_from_rank_0s_router_and_their_dp_gr
     assert results == [(True, True, True)] * 4
 
 
-# ------------------------------------------------------------------ notebook 15 derives this code
+# ------------------------------------------------------------------ notebook 16 derives this code
 
 
 DERIVED = ["Expert", "Routing", "within_capacity", "route", "load_balancing_loss", "MoE", "AllToAll",
@@ -262,8 +262,8 @@ DERIVED = ["Expert", "Routing", "within_capacity", "route", "load_balancing_loss
 
 @pytest.mark.parametrize("name", DERIVED)
 def test_the_notebook_derives_the_package_code(name):
-    derived = definitions(SOLUTIONS / "15_expert_parallel.ipynb")
-    assert name in derived, f"notebook 15 no longer defines {name}"
+    derived = definitions(SOLUTIONS / "16_expert_parallel.ipynb")
+    assert name in derived, f"notebook 16 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(ep, name)).rstrip(), (
-        f"notebook 15's {name} differs from course/parallel/expert_parallel.py: keep them identical"
+        f"notebook 16's {name} differs from course/parallel/expert_parallel.py: keep them identical"
     )

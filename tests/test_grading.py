@@ -6,7 +6,7 @@ Three groups, each graded by one call (one judge, one kernel per notebook):
 * notebook 01 as a student hands it in (built from notebooks/ and solutions/): solved,
   untouched, wrong answers, and two that tamper (``check`` redefined and stored outputs
   edited; ``course`` patched and the check cells deleted);
-* notebook 14 (Part III, ranks in its checks): a student copy with one exercise solved, two
+* notebook 15 (Part III, ranks in its checks): a student copy with one exercise solved, two
   wrong, and ``course`` patched so that every check says ✅ (✅ outputs stored too);
 * small notebooks with 01's answers, graded with a 3 s cell limit, two at a time: one that hangs (interrupted,
   the rest still graded), one that hangs and ignores the interrupt, one whose kernel dies, one
@@ -152,12 +152,12 @@ def test_tampering_earns_nothing(graded_01, student):
     assert verdicts_of(graded_01, student) == verdicts_of(graded_01, "wrong")
 
 
-# A Part III notebook (14, the quickest of them to grade): a real student copy with one exercise
-# solved (its code from course/checks/solutions.json), two answered wrongly as tests/test_checks_nb14.py
+# A Part III notebook (15, the quickest of them to grade): a real student copy with one exercise
+# solved (its code from course/checks/solutions.json), two answered wrongly as tests/test_checks_nb15.py
 # proves its checks reject, and a tamper: `course` patched so that every check says ✅, with ✅ outputs
-# stored. Notebook 14 has three exercises, so none is left untouched (01's copies cover that).
-PART_III = "14_context_parallel.ipynb"
-WRONG_14 = {
+# stored. Notebook 15 has three exercises, so none is left untouched (01's copies cover that).
+PART_III = "15_context_parallel.ipynb"
+WRONG_15 = {
     "c19": "def ring_forward(q, k, v, layout, causal=False):\n"  # the next chunk sent only after this one is computed
            "    rank, n = dist.get_rank(), dist.get_world_size()\n"
            "    kv, out, lse = torch.stack([k, v]), None, None\n"
@@ -174,20 +174,20 @@ WRONG_14 = {
            "    slices = torch.arange(seq_len).tensor_split(2 * world_size)\n"
            "    return [torch.cat([slices[r], slices[r + world_size]]) for r in range(world_size)]",
 }
-TAMPER_14 = ("import dataclasses, course.classroom.exercises\n"  # in Jupyter, every check cell below then prints ✅
+TAMPER_15 = ("import dataclasses, course.classroom.exercises\n"  # in Jupyter, every check cell below then prints ✅
              "course.classroom.exercises.Exercise.__call__ = lambda self, *answers, **options: "
              "dataclasses.replace(course.classroom.exercises.correct(), exercise=self.name)")
 
 
 @pytest.fixture(scope="module")
-def graded_14(tmp_path_factory):
+def graded_15(tmp_path_factory):
     from course.classroom.doctor import PART_II_TORCH, torch_at_least
     from course.classroom.exercises import solutions
 
     if not torch_at_least(PART_II_TORCH):
-        pytest.skip(f"notebook 14 needs torch >= {PART_II_TORCH}")
+        pytest.skip(f"notebook 15 needs torch >= {PART_II_TORCH}")
     student = nbformat.read(ROOT / "notebooks" / PART_III, as_version=4)
-    nb = student_copy(student, {"c12": solutions()["14"]["merge"], **WRONG_14}, before={"c12": TAMPER_14},
+    nb = student_copy(student, {"c12": solutions()["15"]["merge"], **WRONG_15}, before={"c12": TAMPER_15},
                       outputs={"c13": "✅ Exercise 1 (merge): correct!", "c20": "✅ Exercise 2 (ring_forward): correct!",
                                "c31": "✅ Exercise 3 (zigzag_layout): correct!"})
     folder = tmp_path_factory.mktemp("part3")
@@ -200,13 +200,13 @@ def graded_14(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(graded_14):
-    path, rows, _ = graded_14
+def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(graded_15):
+    path, rows, _ = graded_15
     assert [list(r) for r in rows] == [report.COLUMNS] * 3
     assert [(r["student"], r["notebook"], r["exercise"], r["title"], r["verdict"], r["file"]) for r in rows] == [
-        ("mixed", "14", "merge", "Exercise 1 (merge)", "correct", str(path)),
-        ("mixed", "14", "ring_forward", "Exercise 2 (ring_forward)", "wrong", str(path)),
-        ("mixed", "14", "zigzag_layout", "Exercise 3 (zigzag_layout)", "wrong", str(path)),
+        ("mixed", "15", "merge", "Exercise 1 (merge)", "correct", str(path)),
+        ("mixed", "15", "ring_forward", "Exercise 2 (ring_forward)", "wrong", str(path)),
+        ("mixed", "15", "zigzag_layout", "Exercise 3 (zigzag_layout)", "wrong", str(path)),
     ]
     merge, ring, zigzag = (r["feedback"] for r in rows)
     assert merge.startswith("equals attention over all keys, with large scores and empty partials")
@@ -215,17 +215,17 @@ def test_a_part_iii_notebook_gets_each_exercises_own_verdict_whatever_it_claims(
 
 
 @pytest.mark.slow
-def test_a_part_iii_notebooks_summary(graded_14):
-    lines = graded_14[2].splitlines()
+def test_a_part_iii_notebooks_summary(graded_15):
+    lines = graded_15[2].splitlines()
     isolation = "sandboxed" if sandbox.probe() is None else "NOT ISOLATED"
     assert lines[0].startswith("course version ") and f"; submissions {isolation}" in lines[0]
     assert [line.split() for line in lines[1:5]] == [
         ["notebook", "exercise", "solved", "wrong", "not", "attempted", "error"],
-        ["14", "Exercise", "1", "(merge)", "1/1", "0", "0", "0"],
-        ["14", "Exercise", "2", "(ring_forward)", "0/1", "1", "0", "0"],
-        ["14", "Exercise", "3", "(zigzag_layout)", "0/1", "1", "0", "0"],
+        ["15", "Exercise", "1", "(merge)", "1/1", "0", "0", "0"],
+        ["15", "Exercise", "2", "(ring_forward)", "0/1", "1", "0", "0"],
+        ["15", "Exercise", "3", "(zigzag_layout)", "0/1", "1", "0", "0"],
     ]
-    assert [line.split() for line in lines[6:]] == [["student", "14", "total"], ["mixed", "1/3", "1/3"]]
+    assert [line.split() for line in lines[6:]] == [["student", "15", "total"], ["mixed", "1/3", "1/3"]]
 
 
 def test_summary_counts_each_exercise():

@@ -25,7 +25,7 @@ def _exercises():
 
 
 GUARDED = sorted((ex for ex in _exercises() if ex.finished), key=lambda ex: (ex.notebook, ex.__name__))
-NEEDS_PART_II_TORCH = {"11", "14", "15", "16", "17"}
+NEEDS_PART_II_TORCH = {"11", "15", "16", "17", "18"}
 
 
 def _skip_old_torch(ex):
@@ -91,7 +91,7 @@ def _notebook(source):
 
 
 def test_forms_that_hold_it_are_refused_at_once():
-    from course.checks import nb14
+    from course.checks import nb15
     from course.parallel.context_parallel import merge
 
     def with_default(*args, f=merge):
@@ -107,11 +107,11 @@ def test_forms_that_hold_it_are_refused_at_once():
         return sorted(args)  # says it wraps merge (functools.wraps): taken at its word
 
     for answer in (functools.partial(merge), with_default, closure(), wrapped):
-        assert "course.parallel.context_parallel.merge" in guard.refused(answer, nb14.merge.finished), answer
-    assert guard.refused(lambda *args: args, nb14.merge.finished) is None
+        assert "course.parallel.context_parallel.merge" in guard.refused(answer, nb15.merge.finished), answer
+    assert guard.refused(lambda *args: args, nb15.merge.finished) is None
 
 
-@pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 14 needs torch >= {PART_II_TORCH}")
+@pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 15 needs torch >= {PART_II_TORCH}")
 @pytest.mark.parametrize("source", [
     "fns = [cp.merge]\ndef answer(*a):\n    return fns[0](*a)",  # kept in a container
     "def make(f):\n    return lambda *a: f(*a)\nhelper = make(cp.merge)\ndef answer(*a):\n    return helper(*a)",
@@ -122,10 +122,10 @@ def test_forms_that_hold_it_are_refused_at_once():
     "def answer(*a):\n    return getattr(__import__('importlib').import_module('course.parallel.context_parallel'), 'merge')(*a)",
 ])
 def test_references_kept_anywhere_reach_the_guard(source):
-    from course.checks import nb14
+    from course.checks import nb15
 
     answer = _notebook("import course.parallel.context_parallel as cp\n" + source)["answer"]
-    feedback = nb14.merge(answer)
+    feedback = nb15.merge(answer)
     assert feedback.status == "wrong" and "course.parallel.context_parallel.merge" in feedback.message, feedback
 
 
@@ -156,18 +156,18 @@ def test_a_class_that_borrows_its_parts_is_refused(source):
     assert feedback.status == "wrong" and "course.parallel.data_parallel.OverlapPerParameter" in feedback.message, feedback
 
 
-@pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 14 needs torch >= {PART_II_TORCH}")
+@pytest.mark.skipif(not torch_at_least(PART_II_TORCH), reason=f"notebook 15 needs torch >= {PART_II_TORCH}")
 @pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: ~10 s
 def test_ranks_that_are_not_forks_guard_it_too(monkeypatch, start_method):
     """Under forkserver and spawn a rank imports the course afresh: it installs the guards itself
     before it unpickles the answer. (Spawn is the default on macOS and Windows.)"""
-    from course.checks import nb14
+    from course.checks import nb15
 
     monkeypatch.setenv("COURSE_START_METHOD", start_method)
     for answer in (_through_the_module("course.parallel.context_parallel.ring_forward"),
                    _notebook("import course.parallel.context_parallel as cp\nfns = [cp.ring_forward]\n"
                              "def answer(*a, **k):\n    return fns[0](*a, **k)")["answer"]):
-        feedback = nb14.ring_forward(answer)
+        feedback = nb15.ring_forward(answer)
         assert feedback.status == "wrong" and "course.parallel.context_parallel.ring_forward" in feedback.message, feedback
 
 
@@ -252,7 +252,7 @@ def test_every_exercise_whose_answer_the_package_holds_guards_it():
 
 
 # ------------------------------------------------------------------ the finished code by other means
-# Each of these was handed to notebooks 11, 14, 15 and 16 and passed before the guard compared code by
+# Each of these was handed to notebooks 11, 15, 16 and 17 and passed before the guard compared code by
 # what it does (bytecode, names, constants) and refused guard.original and importlib.reload to an answer.
 
 PART_II = [ex for ex in GUARDED if ex.notebook in NEEDS_PART_II_TORCH]
@@ -338,10 +338,10 @@ def test_a_check_helper_called_by_the_answer_may_not_ask_for_it_either(tmp_path)
 def test_the_same_text_written_in_a_notebook_cell_is_the_students_own():
     """The capstone's solution compiles to the very bytecode of course.parallel.parallel3d.mesh_groups:
     typed in a cell it is a derivation, and passes; the same text run by exec (file <string>) is a copy."""
-    from course.checks import nb17
+    from course.checks import nb18
 
-    code = solutions()["17"]["mesh_groups"]
+    code = solutions()["18"]["mesh_groups"]
     for filename, status in (("<notebook cell>", "correct"), ("/tmp/ipykernel_1/2.py", "correct"), ("<string>", "wrong")):
         space = {"__name__": "__main__"}
         exec(compile(code, filename, "exec"), space)
-        assert nb17.mesh_groups(space["mesh_groups"]).status == status, filename
+        assert nb18.mesh_groups(space["mesh_groups"]).status == status, filename

@@ -163,19 +163,19 @@ def test_a_failing_rank_in_a_check_names_the_cell_line_and_renders_as_markdown(k
 
 
 def test_an_answer_that_raises_inside_a_check_is_a_verdict_with_the_cell_line(kernel):
-    """Notebook 15's bytes_sent with a typo: the check calls it in the kernel (not on a rank). A ❌
+    """Notebook 16's bytes_sent with a typo: the check calls it in the kernel (not on a rank). A ❌
     verdict with the NameError, the cell's line and the hint; not a traceback through the course."""
     define = ("def bytes_sent(send_counts, rank, dim):\n"
               "    to_others = send_counts[rank].sum() - send_counts[rank, rank]\n"
               "    return int(to_other) * dim * 4\n")
     messages = _run(kernel, define)
     count = next(c["execution_count"] for _, kind, c in messages if kind == "execute_input")
-    messages = _run(kernel, "from course.checks import nb15\nnb15.bytes_sent(bytes_sent)")
+    messages = _run(kernel, "from course.checks import nb16\nnb16.bytes_sent(bytes_sent)")
     assert not [c for _, kind, c in messages if kind == "error"]
     plain = _unwrapped(next(c["data"] for _, kind, c in messages if kind == "execute_result")["text/plain"])
     assert plain.startswith("❌ Exercise 4 (bytes sent): not yet: your code raised NameError: name 'to_other' is not "
                             f"defined (in your code at Cell In[{count}], line 3, in bytes_sent). Hint: "), plain
-    assert not any(internal in plain for internal in ("exercises.py", "nb15.py", "guard", "Traceback")), plain
+    assert not any(internal in plain for internal in ("exercises.py", "nb16.py", "guard", "Traceback")), plain
 
 
 @pytest.mark.slow  # a second pytest session running nbval: in .ci/run's slow part

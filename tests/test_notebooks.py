@@ -232,7 +232,7 @@ def test_student_run_follows_statements_and_functions():
 
 
 def test_a_function_rebound_to_the_courses_no_longer_reads_the_stub():
-    # Notebook 14: the notebook's RingAttention calls the stub ring_forward; then the cell rebinds
+    # Notebook 15: the notebook's RingAttention calls the stub ring_forward; then the cell rebinds
     # RingAttention to the course's class, and the cells after it use that one.
     solution, student = _pair(
         "import course",
@@ -259,7 +259,7 @@ def test_an_exercise_that_calls_a_notebook_function_does_not_change_it():
 
 
 def test_passing_a_number_to_the_stub_does_not_change_it():
-    # Notebook 16: yours = interleaved_1f1b(P, M, V) cannot change P, M or V, bound to numbers.
+    # Notebook 17: yours = interleaved_1f1b(P, M, V) cannot change P, M or V, bound to numbers.
     solution, student = _pair(
         "P, M = 4, 2 ** 3\nlog = []",
         "def f(*a):\n    # BEGIN SOLUTION\n    return a\n    # END SOLUTION",  # c1: the exercise
@@ -307,8 +307,6 @@ def test_definitions_are_the_code_a_student_sees_with_decorators_and_without_mar
     }
 
 
-# Notebooks 11, 14, 15 and 16 are being edited by other helpers, who make their printed lines fit
-# and rebuild them (issue 39): skipped here until they are merged; the lead removes this then.
 WIDTH = 100  # JupyterLab breaks a stdout line mid-word past ~103 characters (1280 px, file browser open)
 
 

@@ -1,6 +1,6 @@
-"""course.parallel.parallel3d (notebook 17): 3-D parallel training equals one process on several grids, the
+"""course.parallel.parallel3d (notebook 18): 3-D parallel training equals one process on several grids, the
 mesh's groups are DeviceMesh's, the bytes each rank sends per dimension are what course.parallel.planner's
-laws plus gloo's per-message headers predict, and notebook 17 shows the package's code."""
+laws plus gloo's per-message headers predict, and notebook 18 shows the package's code."""
 
 import dataclasses
 import functools
@@ -14,12 +14,12 @@ from course.parallel import parallel3d, planner
 from course.classroom.doctor import PART_II_TORCH, torch_at_least
 from course.classroom.notebooks import SOLUTIONS, definitions
 
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
-NOTEBOOK = SOLUTIONS / "17_putting_it_together.ipynb"
+NOTEBOOK = SOLUTIONS / "18_putting_it_together.ipynb"
 TINY = planner.Model("TinyLM", layers=2, hidden=16, ffn=64, heads=4, kv_heads=4, vocab=32, ffn_matrices=2, bias=True,
                      norms=False, vocab_parallel=False)
 MESSAGE, SEND, RECV = 288, 96, 48  # gloo's header bytes per ring message, per send, per recv notice (measured in 16)
@@ -155,7 +155,7 @@ def _device_mesh_groups(rank, world_size, shape):
     return {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("dp", "pp", "tp")}
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 4), (3, 1, 2)])  # (2, 2, 2): notebook 17
+@pytest.mark.parametrize("shape", [(1, 2, 4), (3, 1, 2)])  # (2, 2, 2): notebook 18
 def test_mesh_groups_are_device_mesh_groups(shape):
     expected = parallel3d.mesh_groups(*shape)
     for rank, mine in enumerate(launch(_device_mesh_groups, shape[0] * shape[1] * shape[2], shape, show=None)):

@@ -1,4 +1,4 @@
-"""course.parallel.pipeline (notebook 13): hand-written GPipe and 1F1B compute one process's gradients,
+"""course.parallel.pipeline (notebook 14): hand-written GPipe and 1F1B compute one process's gradients,
 torch.distributed.pipelining runs the same schedules with the same gradients, and the bubble
 falls as the number of micro-batches grows."""
 
@@ -19,13 +19,13 @@ from course.runtime.launcher import launch
 from course.classroom.notebooks import SOLUTIONS
 
 # Measured on torch 2.8: these fail there (the library's schedules and tracer changed since); the
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
 
-NOTEBOOK = SOLUTIONS / "13_pipeline_parallel.ipynb"
+NOTEBOOK = SOLUTIONS / "14_pipeline_parallel.ipynb"
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64: only the order of additions differs
 
 
@@ -63,7 +63,7 @@ def test_the_notebook_derives_the_package_code():
     for fn in (cp.gpipe_order, cp.run_stage):
         source = inspect.getsource(fn).rstrip()
         assert any(cell == source or cell.startswith(source + "\n\n\n") for cell in cells), (
-            f"notebook 13's {fn.__name__} differs from course/parallel/pipeline.py"
+            f"notebook 14's {fn.__name__} differs from course/parallel/pipeline.py"
         )
 
 

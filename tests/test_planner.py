@@ -13,7 +13,7 @@ from course.parallel import planner
 from course.parallel.planner import LLAMA3_8B, LLAMA3_405B, Cluster, Config, Model
 
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-16 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_memory_is_remembered_but_each_caller_gets_its_own_dict():
 
 def test_the_recorded_h100_coefficients_are_the_benchmarks_json():
     # planner.H100_COEFFICIENTS is benchmarks/results/gpu_memory_h100.json's "gpu" column, copied into the
-    # package so that notebook 17 can compare its trace with it anywhere (Colab has no benchmarks/)
+    # package so that notebook 18 can compare its trace with it anywhere (Colab has no benchmarks/)
     recorded = json.loads((ROOT / "benchmarks" / "results" / "gpu_memory_h100.json").read_text())
     assert recorded["device"].startswith("NVIDIA H100") and recorded["torch"].startswith("2.11")
     names = {"8B": "Llama-3 8B", "70B": "Llama-3 70B", "405B": "Llama-3 405B"}
@@ -402,7 +402,7 @@ def _ring_bytes(rank, world_size, seq, heads, dim):
 def test_cp_traffic_is_notebook_14s_ring_attention_measured_on_the_sockets():
     # one attention layer of 2 heads of 8 features, 32 tokens on 4 CP ranks, bf16, forward and backward: each rank
     # sends 3 x 4 - 2 = 10 messages of its K/V (2 x 8 tokens x 16 features x 2 bytes), each with gloo's 96 + 48
-    # header bytes (measured in notebook 16)
+    # header bytes (measured in notebook 17)
     layer = Model("one attention layer", layers=1, hidden=16, ffn=0, heads=2, kv_heads=2, vocab=0, ffn_matrices=0)
     law = planner.traffic(layer, Config(dp=1, cp=4), 32, 1)["cp"]
     assert law == 10 * 2 * 8 * 16 * 2
@@ -428,7 +428,7 @@ def test_context_parallelism_in_the_search_llama3_405b_at_128k_tokens():
     model, cluster, batch, seq, meta = planner.LLAMA3_405B_LONG_RUN
     assert meta.gpus == 16384 and planner.valid(model, cluster, meta, batch)
     found = planner.candidates(model, cluster, batch, seq, cp=(1, 2, 4, 8, 16, 32), schedules=planner.SCHEDULES)
-    assert all(seq % (2 * c.cp) == 0 for c in found)  # notebook 14's zigzag: 2 cp equal chunks
+    assert all(seq % (2 * c.cp) == 0 for c in found)  # notebook 15's zigzag: 2 cp equal chunks
     every = [c for c in found if planner.fits(model, cluster, c, seq, batch)]
     seconds = {c: planner.step_time(model, cluster, c, seq, batch)["total"] for c in every}
     fitting = [c for c in every if c.schedule in planner.TORCH_SCHEDULES]  # the default search's

@@ -1,5 +1,5 @@
-"""course.parallel.schedules (notebook 16): the simulator checks and times tables, the generators meet
-their laws, run_schedule gives one process's gradients, torch's tables read the same, and notebook 16
+"""course.parallel.schedules (notebook 17): the simulator checks and times tables, the generators meet
+their laws, run_schedule gives one process's gradients, torch's tables read the same, and notebook 17
 shows the package's generators."""
 
 import inspect
@@ -17,11 +17,11 @@ from course.parallel import schedules as cs
 from course.parallel.pipeline import Deadlock, make_batch, make_model, split
 from course.runtime.launcher import launch
 
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
-NOTEBOOK = SOLUTIONS / "16_pipeline_schedules.ipynb"
+NOTEBOOK = SOLUTIONS / "17_pipeline_schedules.ipynb"
 
 
 def test_the_notebook_derives_the_package_generators():
@@ -89,7 +89,7 @@ def test_the_simulator_refuses_broken_tables():
 
 def test_needs_is_the_rule_of_the_stages():
     """F needs the previous stage's F, B its own F and the next stage's B, W its own B; the first stage's F
-    and the last stage's B nothing from a neighbour. simulate, time_between, run_schedule and notebook 16's
+    and the last stage's B nothing from a neighbour. simulate, time_between, run_schedule and notebook 17's
     causal check all ask it; placements (looped chunks, the V) only say which rank holds a stage."""
     assert cs.needs("F", 3, 0, 4) == [] and cs.needs("F", 3, 2, 4) == [("F", 3, 1)]
     assert cs.needs("B", 3, 1, 4) == [("F", 3, 1), ("B", 3, 2)] and cs.needs("B", 3, 3, 4) == [("F", 3, 3)]

@@ -16,8 +16,8 @@ NOTEBOOKS = site.chapters()
 def test_every_notebook_is_a_chapter_of_its_part():
     assert [nb.name for nb in NOTEBOOKS] == sorted(p.name for p in SOLUTIONS.glob("[0-9][0-9]_*.ipynb"))
     assert site.part_of(Path("01_x.ipynb")) == site.part_of(Path("09_x.ipynb")) == "Part I — DDP"
-    assert site.part_of(Path("10_x.ipynb")) == site.part_of(Path("13_x.ipynb")) == "Part II — beyond DDP"
-    assert site.part_of(Path("14_x.ipynb")) == site.part_of(Path("17_x.ipynb")) == site.PARTS[2][0]
+    assert site.part_of(Path("10_x.ipynb")) == site.part_of(Path("14_x.ipynb")) == "Part II — beyond DDP"
+    assert site.part_of(Path("15_x.ipynb")) == site.part_of(Path("18_x.ipynb")) == site.PARTS[2][0]
     page = site.landing_page(NOTEBOOKS)
     for nb in NOTEBOOKS:  # each chapter once, under its own part's caption
         assert page.count(f"chapters/{nb.stem}\n") == 1

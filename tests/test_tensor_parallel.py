@@ -1,7 +1,7 @@
 """course.parallel.tensor_parallel: the hand-written column-, row-parallel and Megatron layers compute
 what the unsplit layers compute (outputs, input gradients, parameter gradients) on 2 and 4
 ranks; DTensor's ColwiseParallel/RowwiseParallel equals the hand-written MLP; a 2×2 mesh
-(data × tensor parallel) trains like one process; notebook 12 derives the package's code."""
+(data × tensor parallel) trains like one process; notebook 13 derives the package's code."""
 
 import copy
 import functools
@@ -229,7 +229,7 @@ def test_a_2x2_mesh_trains_like_one_process():
     assert not torch.allclose(results[0]["bias"], _model()[1].down.bias.detach())  # it did train
 
 
-# ------------------------------------------------------------------ notebook 12 derives this code
+# ------------------------------------------------------------------ notebook 13 derives this code
 
 
 @pytest.mark.parametrize(
@@ -237,8 +237,8 @@ def test_a_2x2_mesh_trains_like_one_process():
     ["CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "shard", "ColumnParallelLinear", "RowParallelLinear", "MLP", "ParallelMLP"],
 )
 def test_the_notebook_derives_the_package_code(name):
-    derived = definitions(SOLUTIONS / "12_tensor_parallel.ipynb")
-    assert name in derived, f"notebook 12 no longer defines {name}"
+    derived = definitions(SOLUTIONS / "13_tensor_parallel.ipynb")
+    assert name in derived, f"notebook 13 no longer defines {name}"
     assert derived[name] == inspect.getsource(getattr(tp, name)).rstrip(), (
-        f"notebook 12's {name} differs from course/parallel/tensor_parallel.py: keep them identical"
+        f"notebook 13's {name} differs from course/parallel/tensor_parallel.py: keep them identical"
     )

@@ -37,9 +37,9 @@ from course.classroom.notebooks import SOLUTIONS, definitions
 from course.parallel.zero import flat_padded, zero1_setup, zero1_step
 
 # Measured on torch 2.8: these fail there (FSDP2 differs there); the
-# course declares notebooks 11-17 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
+# course declares notebooks 11-18 for torch >= PART_II_TORCH (course/classroom/doctor.py, README).
 needs_part_ii_torch = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
 

@@ -1,562 +1,527 @@
-"""Checks for notebook 15 (expert parallelism)."""
+"""Checks for notebook 15 (context parallelism: ring attention)."""
 
-import copy
-import functools
-import numbers
+import contextlib
 import random
+import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
-from course.parallel import expert_parallel as ep
-from course.classroom import guard
-from course.observe import tracing, wire
-from course.classroom.exercises import correct, exercise, wrong
-from course.runtime.launcher import WorkerError, launch
+from course.parallel import context_parallel as cp
+from course.classroom.exercises import Feedback, correct, exercise, replaced, wrong
+from course.runtime.launcher import WorkerError, WorkerTimeoutError, launch
 
-DIM, HIDDEN = 8, 16
-ALL_TO_ALL = {"all_to_all", "all_to_all_single"}
+DIM = 8
+TIMEOUT = 30  # seconds; a ring whose sends and receives do not match hangs until then
 
-
-# ------------------------------------------------------------------ Exercise 1: top-k routing and the capacity
-
-# (tokens, k, experts, capacity): top-1 to top-3, capacities that drop many, a few, or no assignments
-CAPACITY_CASES = [(16, 2, 4, 8), (16, 2, 4, 5), (12, 1, 4, 2), (10, 3, 6, 4), (9, 2, 8, 1), (6, 2, 4, 12)]
+# ------------------------------------------------------------------ Exercise 1: merge two partial results
 
 
-def _choices(seed, tokens, k, n_experts, skew=0.0):
-    """Each token's k distinct experts, best first, from random scores (expert 0 raised by ``skew``)."""
+def _partials(seed, scale, causal, first_query=4, lead=(2,)):
+    """Full attention of 5 queries (positions first_query, ...) over 9 keys, and the partial results
+    over keys 0-3 and 4-8. With a causal mask and first_query 0, queries 0-3 see none of keys 4-8
+    (their partial result there: out 0, lse -inf)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(tokens, n_experts, generator=g)
-    logits[:, 0] += skew
-    return logits.topk(k, dim=-1).indices
+    q, k, v = (torch.randn(*lead, n, DIM, generator=g) for n in (5, 9, 9))
+    q = q * scale
+    q_pos, k_pos = torch.arange(first_query, first_query + 5), torch.arange(9)
+    whole = cp.attend(q, k, v, q_pos, k_pos, causal)
+    first = cp.attend(q, k[..., :4, :], v[..., :4, :], q_pos, k_pos[:4], causal)
+    second = cp.attend(q, k[..., 4:, :], v[..., 4:, :], q_pos, k_pos[4:], causal)
+    return whole, first, second
 
 
-def _judge_capacity(fn, seed):
-    for i, (tokens, k, n_experts, capacity) in enumerate(CAPACITY_CASES):
-        experts = _choices(seed + i, tokens, k, n_experts, skew=1.5)
-        case = f"{tokens} tokens, top-{k} of {n_experts} experts, capacity {capacity}"
-        try:
-            keep = fn(experts.clone(), n_experts, capacity)
-        except Exception as e:  # noqa: BLE001 - reported as the feedback
-            return wrong(f"with {case}, within_capacity raised {type(e).__name__}: {e}")
-        if not isinstance(keep, torch.Tensor) or keep.shape != experts.shape:
-            return wrong(f"within_capacity returns a boolean tensor shaped like experts, (tokens, k) = "
-                         f"{tuple(experts.shape)}: True for each assignment its expert keeps.")
-        keep = keep.bool()
-        expected = guard.original(ep.within_capacity)(experts, n_experts, capacity)  # the course's, unguarded
-        if torch.equal(keep, expected):
-            continue
-        for e in range(n_experts):
-            held = int(keep[experts == e].sum())
-            if held > capacity:
-                return wrong(f"with {case}, expert {e} kept {held} assignments: an expert keeps at most its "
-                             "capacity and drops the rest.")
-        for e in range(n_experts):
-            dropped_first = ((experts[:, 0] == e) & ~keep[:, 0]).any()
-            kept_later = ((experts[:, 1:] == e) & keep[:, 1:]).any()
-            if dropped_first and kept_later:
-                return wrong(f"with {case}, expert {e} kept a second (or later) choice and dropped a first choice: "
-                             "an expert takes the first choices of all tokens first (in token order), then the "
-                             "second choices, and so on.")
-        t, j = torch.nonzero(keep != expected)[0].tolist()
-        return wrong(f"with {case}, token {t}'s choice {j} (expert {int(experts[t, j])}) should be "
-                     f"{'kept' if expected[t, j] else 'dropped'}: fill each expert in the order first choices of "
-                     "tokens 0, 1, ..., then second choices, until it holds its capacity.")
-    return None
-
-
-def _judge_route(route, seed):
-    for i, (tokens, k, n_experts, capacity_factor) in enumerate(
-            [(12, 2, 4, None), (12, 1, 4, 1.0), (16, 2, 4, 1.0), (10, 3, 6, 1.25), (9, 2, 8, None)]):
-        torch.manual_seed(seed + i)
-        router = torch.nn.Linear(DIM, n_experts, bias=False)
-        with torch.no_grad():
-            router.weight[0] += 0.5  # a skewed router: capacities drop
-        x = torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(seed + i)).abs()
-        case = f"{tokens} tokens, top-{k} of {n_experts} experts, capacity factor {capacity_factor}"
-        try:
-            got = route(router, x, k, capacity_factor)
-        except Exception as e:  # noqa: BLE001 - reported as the feedback
-            return wrong(f"with {case}, route raised {type(e).__name__}: {e}")
-        want = guard.original(ep.route)(router, x, k, capacity_factor)
-        if not all(isinstance(getattr(got, a, None), torch.Tensor) for a in ("experts", "weights", "keep", "logits")):
-            return wrong("route returns a Routing(experts, weights, keep, logits).")
-        if got.experts.shape != want.experts.shape:
-            return wrong(f"with {case}, route returned experts of shape {tuple(got.experts.shape)}, not (tokens, k) = "
-                         f"{tuple(want.experts.shape)}: each token goes to its top {k} experts (top-{got.experts.shape[-1]} "
-                         f"for top-{k}?).")
-        if not torch.equal(got.experts.sort(-1).values, want.experts.sort(-1).values):
-            return wrong(f"with {case}, a token went to other experts than its {k} highest-scoring ones.")
-        order = got.experts.argsort(-1)  # compare weights and keep expert by expert, whatever the order
-        weights = got.weights.gather(-1, order) if got.weights.shape == got.experts.shape else got.weights
-        keep = got.keep.bool().gather(-1, order) if got.keep.shape == got.experts.shape else got.keep
-        want_order = want.experts.argsort(-1)
-        if weights.shape != want.weights.shape or not torch.allclose(weights, want.weights.gather(-1, want_order), atol=1e-6):
-            kept = want.weights * want.keep
-            kept = (kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)).gather(-1, want_order)
-            if not want.keep.all() and weights.shape == kept.shape and torch.allclose(weights, kept, atol=1e-6):
-                return wrong(f"with {case}, the weights were renormalised over the kept assignments: a token's k "
-                             "weights are the softmax of its k scores, whether or not the capacity drops one "
-                             "(a dropped assignment's share is lost, its output 0).")
-            return wrong(f"with {case}, the weights differ: a token's k weights are the softmax of its k scores "
-                         "(they sum to 1), not the softmax over all experts.")
-        if keep.shape != want.keep.shape or not torch.equal(keep, want.keep.gather(-1, want_order)):
-            if capacity_factor is not None and keep.all():
-                return wrong(f"with {case}, every assignment was kept: with a capacity factor each expert keeps "
-                             "ceil(capacity_factor x tokens x k / experts) of them (within_capacity).")
-            return wrong(f"with {case}, the kept assignments differ: the capacity is "
-                         "ceil(capacity_factor x tokens x k / experts), and within_capacity decides which fit.")
-    return None
+def _as_pair(result):
+    if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+        return None
+    return result
 
 
 @exercise(
-    "Exercise 1 (routing and the capacity)",
-    hint="within_capacity: lay the assignments out first choices first (experts.T flattened: choice 0 of every "
-    "token, then choice 1, ...); an assignment's place in its expert's queue is how many assignments to that "
-    "expert came before it (a cumulative count); keep it if its place < capacity. route: logits.topk(k), the "
-    "softmax of the k scores, and within_capacity with ceil(capacity_factor * tokens * k / experts).",
-    finished=("course.parallel.expert_parallel.within_capacity", "course.parallel.expert_parallel.route"),
+    "Exercise 1 (merge)",
+    hint="the merged log-sum-exp is log(e^lse1 + e^lse2); each output is weighted by e^(lse_i - lse). "
+    "Subtract the larger lse before any exp, so that nothing overflows.",
+    finished=("course.parallel.context_parallel.merge",),
 )
-def routing(route, within_capacity):
-    """Exercise 1: top-k routing with a capacity that takes first choices first."""
-    seed = random.randrange(1 << 30)  # fresh scores each time: nothing can be hard-coded
-    feedback = _judge_capacity(within_capacity, seed)
-    if feedback is None:
-        feedback = _judge_route(route, seed)
+def merge(fn):
+    """Exercise 1: merge two partial attention results (out, lse) into the result over both key sets."""
+    seed = random.randrange(1 << 30)  # fresh inputs each time: no answer can be hard-coded
+    cases = [  # (name, scale, causal, first query's position, leading dims)
+        ("small scores", 1.0, False, 4, (2,)),
+        ("a causal mask", 1.0, True, 4, (2,)),
+        ("queries that see none of one chunk (lse -inf)", 1.0, True, 0, (2,)),
+        ("large scores", 60.0, False, 4, (2,)),
+        ("4-D (batch, heads, tokens, dim) tensors", 1.0, True, 0, (2, 3)),
+    ]
+    for name, scale, causal, first_query, lead in cases:
+        (out, lse), (out1, lse1), (out2, lse2) = _partials(seed, scale, causal, first_query, lead)
+        for args, order in (((out1, lse1, out2, lse2), ""), ((out2, lse2, out1, lse1), " (partials given in the other order)")):
+            result = _merged(fn, args, out, lse, f"{name}{order}")
+            if isinstance(result, Feedback):
+                return result
+            got_out, got_lse = result
+            if not (torch.isfinite(got_out).all() and torch.isfinite(got_lse).all()):
+                if name == "large scores":
+                    return wrong("with large scores (lse ≈ hundreds) an exp overflowed to inf: e^89 is already "
+                                 "beyond float32. Subtract the larger of the two lse before exponentiating.")
+                return wrong(f"with {name}{order} the result has inf or nan. Some queries see none of one "
+                             "chunk's keys (lse -inf, out 0): such a chunk must get weight 0.")
+            if not torch.allclose(got_lse, lse, rtol=1e-5, atol=1e-5):
+                if torch.allclose(got_lse, torch.maximum(lse1, lse2), rtol=1e-5, atol=1e-5):
+                    return wrong("the merged lse is not the larger of the two: it is log(e^lse1 + e^lse2).")
+                return wrong(f"with {name}{order} the merged lse differs from the log-sum-exp over all keys.")
+            if not torch.allclose(got_out, out, rtol=1e-5, atol=1e-5):
+                if torch.allclose(got_out, (out1 + out2) / 2, rtol=1e-5, atol=1e-5):
+                    return wrong("the plain average weighs both chunks equally; weigh each by its share of the "
+                                 "softmax's denominator, e^(lse_i - lse).")
+                return wrong(f"with {name}{order} the merged output differs from attention over all keys.")
+    feedback = _fold_backwards(fn, seed) or _far_apart_and_empty(fn, seed)
     if feedback is not None:
         return feedback
-    return correct("top-1 to top-3, with capacities: first choices first.")
+    return correct("equals attention over all keys, with large scores and empty partials.")
 
 
-# ------------------------------------------------------------------ Exercise 2: the load-balancing loss
-
-
-def _routings(seed):
-    """(name, Routing with leaf logits): top-1 and top-2, 4 and 8 experts, a skewed router, an exactly even
-    load (f_e = P_e = 1/E: the loss is 1), assignments dropped by the capacity, and a rank with no tokens."""
+def _fold_backwards(fn, seed):
+    """A causal fold of three chunks in the order 2, 1, 0: queries 0-2 see no key of chunks 2 and 1, so
+    the first merge gets two partials with lse -inf. Merging is associative only if that gives (0, -inf)."""
     g = torch.Generator().manual_seed(seed)
-    cases = []
-    for name, tokens, k, n_experts, skew in (("top-2 of 4 experts", 12, 2, 4, 0.0), ("top-1 of 8 experts", 16, 1, 8, 0.0),
-                                              ("top-2 of 8, skewed", 20, 2, 8, 2.0)):
-        logits = torch.randn(tokens, n_experts, generator=g, dtype=torch.float64)
-        logits[:, 0] += skew
-        cases.append((name, logits.requires_grad_(), k))
-    even = torch.zeros(8, 4, dtype=torch.float64)  # equal scores: P_e = 1/4; top-1 by hand below: f_e = 1/4
-    cases.append(("an even load", even.requires_grad_(), 1))
-    skewed = torch.randn(12, 4, generator=g, dtype=torch.float64)
-    skewed[:, 0] += 2.0  # most first choices on expert 0, beyond its capacity: assignments dropped
-    cases.append(("top-2 of 4, capacity 4 (assignments dropped)", skewed.requires_grad_(), 2))
-    cases.append(("a rank with no tokens", torch.zeros(0, 4, dtype=torch.float64, requires_grad=True), 2))
-    routings = []
-    for name, logits, k in cases:
-        if name == "an even load":
-            experts = torch.arange(8).remainder(4)[:, None]
-        else:
-            experts = logits.detach().topk(k, dim=-1).indices
-        weights = logits.detach().gather(-1, experts).softmax(-1)
-        keep = torch.ones_like(experts, dtype=torch.bool)
-        if "dropped" in name:  # f counts every assignment, kept or dropped: the router's choices
-            keep = ep.within_capacity(experts, logits.shape[-1], 4)  # 16 places for 24
-            assert not keep.all()
-        routings.append((name, ep.Routing(experts, weights, keep, logits)))
-    return routings
+    q, k, v = (torch.randn(2, n, DIM, generator=g) for n in (5, 9, 9))
+    q_pos, k_pos = torch.arange(5), torch.arange(9)
+    whole_out, whole_lse = cp.attend(q, k, v, q_pos, k_pos, True)
+    chunks = [slice(6, 9), slice(3, 6), slice(0, 3)]
+    try:
+        out, lse = cp.attend(q, k[:, chunks[0]], v[:, chunks[0]], q_pos, k_pos[chunks[0]], True)
+        for c in chunks[1:]:
+            result = _as_pair(fn(out.clone(), lse.clone(), *cp.attend(q, k[:, c], v[:, c], q_pos, k_pos[c], True)))
+            if result is None:
+                return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+            out, lse = result
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        return wrong(f"folding causal chunks from the last one back, your merge raised {type(e).__name__}: {e}")
+    if not (torch.isfinite(out).all() and torch.allclose(out, whole_out, rtol=1e-5, atol=1e-5)
+            and torch.allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)):
+        return wrong("folding causal chunks from the last one back (keys 6-8, then 3-5, then 0-2), queries 0-2 "
+                     "first meet two partials that both saw no key (lse -inf): -inf - (-inf) is nan, and the nan "
+                     "stays. Merging two empty partials must give out 0 and lse -inf.")
+    return None
 
 
-@exercise(
-    "Exercise 2 (the load-balancing loss)",
-    hint="f: one_hot(routing.experts, E) summed over tokens and choices, divided by the number of assignments "
-    "(tokens x k), so that it sums to 1; P: the softmax of routing.logits over the experts, averaged over the "
-    "tokens; the loss is E * (f * P).sum(). A batch with no tokens: return 0 that keeps the graph "
-    "(logits.sum() * 0), not 0/0.",
-    finished=("course.parallel.expert_parallel.load_balancing_loss",),
-)
-def balancing_loss(fn):
-    """Exercise 2: the Switch Transformer's auxiliary loss, its value and its gradient."""
-    seed = random.randrange(1 << 30)
-    for name, routing in _routings(seed):
-        mine = ep.Routing(routing.experts, routing.weights, routing.keep, routing.logits.detach().requires_grad_())
-        try:
-            loss = fn(mine)
-        except Exception as e:  # noqa: BLE001 - reported as the feedback
-            return wrong(f"with {name}, your loss raised {type(e).__name__}: {e}")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            return wrong("return the loss as a one-element tensor.")
-        want = guard.original(ep.load_balancing_loss)(routing)
-        if not torch.isfinite(loss).all():
-            return wrong(f"with {name}, the loss is {loss.item()}: a rank with no tokens has no load and no loss "
-                         "(0, not 0/0).")
-        if not torch.allclose(loss.double(), want, atol=1e-9):
-            n_experts, k = routing.logits.shape[-1], routing.experts.shape[-1]
-            if k > 1 and torch.allclose(loss.double(), k * want, atol=1e-9):
-                return wrong(f"with {name}, the loss is k = {k} times the course's: here f_e is the fraction of "
-                             "all tokens x k assignments, so that the f_e sum to 1 and an even load gives 1. Some "
-                             "implementations divide by the tokens only (Hugging Face's Mixtral load-balancing "
-                             "loss: an even load gives k there); this exercise asks for the course's.")
-            if not routing.keep.all():
-                kept = ep.Routing(routing.experts[routing.keep][:, None], routing.weights, routing.keep,
-                                  routing.logits)
-                if torch.allclose(loss.double(), guard.original(ep.load_balancing_loss)(kept), atol=1e-9):
-                    return wrong(f"with {name}, your f_e counts only the kept assignments: f_e is where the "
-                                 "router sends them, all tokens x k, dropped or not (the loss is there to "
-                                 "teach the router to spread the load, so that fewer are dropped).")
-            if torch.allclose(loss.double() * n_experts, want, atol=1e-9):
-                return wrong(f"with {name}, the loss is E = {n_experts} times too small: multiply by E, so that an "
-                             "even load gives 1.")
-            return wrong(f"with {name}, the loss is {loss.item():.4f}, not {want.item():.4f}: E * sum_e f_e P_e, "
-                         "f_e the fraction of assignments to expert e, P_e the mean of the router's softmax over "
-                         "all E experts (from the logits, not the k weights).")
-        if not loss.requires_grad:
-            if not routing.logits.numel():
-                return wrong(f"with {name}, the loss is a constant 0 with no graph: backward() of it "
-                             "raises (it does not require grad), yet every rank must run backward, for the "
-                             "all-to-all's backward needs them all. Return 0 that keeps the graph "
-                             "(logits.sum() * 0).")
-            return wrong(f"with {name}, the loss has no gradient: P_e, from the logits, carries it.")
-        if routing.logits.numel():
-            want.backward()
-            loss.backward()
-            if mine.logits.grad is None or not torch.allclose(mine.logits.grad, routing.logits.grad, atol=1e-9):
-                return wrong(f"with {name}, the value is right but the gradient is not: f_e is a count (no "
-                             "gradient); only P_e, the mean softmax of the logits, is differentiable.")
-    return correct("value and gradient right; even load 1, no tokens 0.")
+def _merged(fn, args, want_out, want_lse, where):
+    """The student's merge of ``args`` (copies) as (out, lse) of the expected shapes, or the feedback
+    that says why not (it raised, returned no pair, or the wrong shapes)."""
+    try:
+        result = _as_pair(fn(*(t.clone() for t in args)))
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        return wrong(f"with {where} your merge raised {type(e).__name__}: {e}")
+    if result is None:
+        return wrong("return a pair (out, lse) of tensors: the merged output and the merged log-sum-exp.")
+    out, lse = result
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return wrong(f"out should have shape {tuple(want_out.shape)} and lse {tuple(want_lse.shape)}; got "
+                     f"{tuple(out.shape)} and {tuple(lse.shape)}.")
+    return out, lse
 
 
-# ------------------------------------------------------------------ Exercise 3: dispatch and combine
+def _far_apart_and_empty(fn, seed):
+    """Rows whose two lse are 200 apart, each way round (e^200 overflows float32, so a merge that rescales
+    by either lse but the larger one gives inf), and rows where both partials saw no key (lse -inf, out 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out1, out2 = torch.randn(2, 6, DIM, generator=g), torch.randn(2, 6, DIM, generator=g)
+    inf = float("inf")
+    lse1 = torch.tensor([[0.0, 200.0, -inf, 0.0, 200.0, -inf]] * 2)
+    lse2 = torch.tensor([[200.0, 0.0, -inf, 200.0, 0.0, -inf]] * 2)
+    empty = torch.isneginf(lse1)
+    out1[empty], out2[empty] = 0.0, 0.0
+    want_out = torch.where((lse1 > lse2)[..., None], out1, out2).masked_fill(empty[..., None], 0.0)
+    want_lse = torch.maximum(lse1, lse2)  # e^-200 is 0 in float32: the smaller partial adds nothing
+    result = _merged(fn, (out1, lse1, out2, lse2), want_out, want_lse, "partials whose lse are 0 and 200")
+    if isinstance(result, Feedback):
+        return result
+    out, lse = result
+    far = ~empty
+    if not (torch.isfinite(out[far]).all() and torch.isfinite(lse[far]).all()):
+        return wrong("with partials whose lse are 0 and 200 (either way round) an exp overflowed to inf: "
+                     "e^200 is beyond float32. Subtract the larger of the two lse, not the first one.")
+    if not (torch.allclose(out[far], want_out[far], rtol=1e-5, atol=1e-5)
+            and torch.allclose(lse[far], want_lse[far], rtol=1e-5, atol=1e-5)):
+        return wrong("with partials whose lse are 0 and 200 the merge should return the second partial "
+                     "(and lse 200) nearly unchanged: e^-200 is 0 in float32.")
+    if not (torch.isneginf(lse[empty]).all() and torch.equal(out[empty], torch.zeros_like(out[empty]))):
+        return wrong("merging two partials that both saw no key (lse -inf) must give out 0 and lse exactly "
+                     "-inf, not a large negative number: that is what attention over no keys gives.")
+    return None
 
-# (ranks, experts, k, capacity factor, router skew, tokens per rank, dp): several world sizes, so that a
-# solution written for 2 ranks fails; uneven counts everywhere; dropped tokens; ranks that receive no
-# token at all (the skewed router sends every token to expert 0); and a layer on a subgroup (the ep
-# group of a dp x ep mesh), so that an answer that ignores ``group`` fails.
-LAYER_CASES = [
-    (2, 4, 2, None, 0.0, (12, 12), 1),
-    (3, 6, 2, 1.0, 0.0, (5, 12, 0), 1),  # rank 2 has no tokens of its own
-    (4, 4, 1, None, 6.0, (6, 6, 6, 6), 1),
-    (4, 4, 2, 1.0, 0.0, (6, 9, 4, 7), 2),  # ep groups {0, 1} and {2, 3}
+
+# ------------------------------------------------------------------ Exercise 2: ring attention's forward
+
+# (ranks, tokens, causal, layout, scale of q): uneven chunks (10 and 13 tokens), 2, 3 and 4 ranks, both
+# layouts; q x 60 makes scores of hundreds, beyond exp's float32 range, so a merge must rescale by the max
+RING_CASES = [
+    (2, 10, False, "contiguous", 60.0),
+    (3, 13, True, "contiguous", 1.0),
+    (4, 10, True, "contiguous", 1.0),
+    (4, 16, True, "zigzag", 1.0),
+    (4, 13, False, "contiguous", 1.0),
 ]
+LAYOUTS = {"contiguous": cp.contiguous_layout, "zigzag": cp.zigzag_layout}
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_reduce",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
+BLOCKING = ("send", "recv")  # batch_isend_irecv is not blocking: it calls isend/irecv, which the check logs
+MOST_KV_HELD = 3  # chunks: the one computed on, the one arriving, and attend's copy of its visible K, V
 
 
-def _case_name(world_size, n_experts, k, capacity_factor, skew, tokens, dp):
-    name = f"{world_size} ranks, {n_experts} experts, top-{k}, tokens per rank {list(tokens)}"
-    if capacity_factor is not None:
-        name += f", capacity factor {capacity_factor}"
-    if dp > 1:
-        name += f", the layer on the ep group of a {dp} x {world_size // dp} mesh (dp x ep)"
-    return name + (", every token routed to expert 0" if skew else "")
+class _Watch(TorchDispatchMode):
+    """Logs the ops a rank runs. A matrix product with a chunk's keys or values among its operands is
+    the attention's work ("compute"; a product of other tensors, or of a few rows of K, is not). At each one it measures how many
+    chunks' worth of K/V values the tensors created so far and still alive hold (whatever made them:
+    a receive buffer, a stack, a clone), and it keeps the largest number of tokens any (..., tokens, DIM)
+    tensor held. K/V values are recognised by value: the inputs are random floats, and a copy keeps them."""
+
+    def __init__(self, log, kv_values, chunk_values, smallest_k, receiving):
+        super().__init__()
+        self.log, self.kv_values, self.chunk_values = log, kv_values, chunk_values
+        self.smallest_k = smallest_k
+        self.created, self.receiving, self.most_tokens, self.most_held = [], receiving, 0, 0
+
+    def _kv_count(self, tensor):
+        storage = tensor.untyped_storage()
+        if tensor.dtype != torch.float32 or storage.nbytes() % 4:
+            return storage.data_ptr(), 0
+        values = torch.empty(0).set_(storage).tolist()
+        return storage.data_ptr(), sum(x in self.kv_values for x in values)
+
+    def _kv_in(self, tensor):
+        """How many K/V values the tensor itself holds (not its storage: a one-row view of K
+        has K's storage but one row's values)."""
+        if tensor.dtype != torch.float32:
+            return 0
+        return sum(x in self.kv_values for x in tensor.detach().flatten().tolist())
+
+    def _held(self):
+        alive = [t for ref in self.created + self.receiving if (t := ref()) is not None]
+        counts = dict(self._kv_count(t) for t in alive)
+        return sum(counts.values()) / self.chunk_values
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        if ("mm" in name or "scaled_dot_product" in name) and any(
+                isinstance(a, torch.Tensor) and self._kv_count(a)[1] >= a.numel() // 2 > 0
+                and self._kv_in(a) >= self.smallest_k for a in args):
+            self.log.append(("compute",))
+            self.most_held = max(self.most_held, self._held())
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.created.append(weakref.ref(t))
+                if t.dim() >= 2 and t.shape[-1] == DIM:
+                    self.most_tokens = max(self.most_tokens, t.shape[-2])
+        self.created = [ref for ref in self.created if ref() is not None]
+        return out
 
 
-def make_moe(n_experts, k, capacity_factor, skew=0.0):
-    """The float64 MoE the checks compare with; ``skew`` raises expert 0's router row."""
-    torch.manual_seed(0)
-    moe = ep.MoE(DIM, HIDDEN, n_experts, k, capacity_factor).double()
-    with torch.no_grad():
-        moe.router.weight[0] += skew
-    return moe
+class _Request:
+    """An isend/irecv request that logs its wait. A second wait is logged, not passed on: on gloo
+    (torch 2.8 and 2.15) a second ``wait()`` of a finished isend or irecv never returns."""
+
+    def __init__(self, request, log, key):
+        self.request, self.log, self.key, self.waited = request, log, key, False
+
+    def wait(self, *args, **kwargs):
+        if self.waited:
+            self.log.append(("waited twice", self.key))
+            return True
+        self.waited = True
+        self.log.append(("wait", self.key))
+        return self.request.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
 
 
-def make_tokens(rank, count, positive=False):
-    """Rank ``rank``'s tokens and the upstream gradient of its output (positive tokens with a skewed
-    router all choose expert 0 first)."""
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(count, DIM, generator=g, dtype=torch.float64)
-    return (x.abs() if positive else x), torch.randn(count, DIM, generator=g, dtype=torch.float64)
+def _ring_run(rank, world_size, forward, seed, seq_len, causal, layout_name, scale, transfers):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, seq_len, DIM, generator=g) for _ in range(3))
+    q = q * scale
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    expected_lse = (q @ k.transpose(-2, -1) * DIM**-0.5).masked_fill(
+        causal & torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
+    layout = LAYOUTS[layout_name](seq_len, world_size)
+    mine = layout[rank]
+
+    log, peers, used = [], set(), []
+    receiving = []  # a weak reference to every irecv's buffer
+    record = open(f"{transfers}/{rank}", "a", buffering=1)  # each isend/irecv's shape, read if a rank dies
+
+    def watched(name, original):
+        def call(tensor, *args, **kwargs):  # also as batch_isend_irecv calls it: peer as group_dst/group_src
+            peer = args[0] if args else next((kwargs[key] for key in ("dst", "src", "group_dst", "group_src")
+                                              if kwargs.get(key) is not None), None)
+            peers.add((name, peer))
+            key = len(log)
+            if name == "irecv":
+                receiving.append(weakref.ref(tensor))
+            record.write(f"{name} {peer} {'x'.join(map(str, tensor.shape))} {tensor.numel()}\n")
+            log.append((name, key))
+            return _Request(original(tensor, *args, **kwargs), log, key)
+        return call
+
+    def collective(name, original):
+        def call(*args, **kwargs):
+            used.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    patches = [("isend", watched("isend", dist.isend)), ("irecv", watched("irecv", dist.irecv))]
+    patches += [(name, collective(name, getattr(dist, name))) for name in COLLECTIVES + BLOCKING if hasattr(dist, name)]
+    kv_values = set(torch.cat([k.flatten(), v.flatten()]).tolist())
+    chunk_values = 2 * k[..., :1, :].numel() * max(len(p) for p in layout)  # one rank's K and V at most
+    smallest_k = k[..., :1, :].numel() * min(len(p) for p in layout)  # the K of the smallest chunk
+    watch = _Watch(log, kv_values, chunk_values, smallest_k, receiving)
+    local = [t[..., mine, :].clone() for t in (q, k, v)]
+    with contextlib.ExitStack() as stack:  # an exception stops every rank (a WorkerError), none waits for it
+        for name, replacement in patches:  # torch.distributed's names, the answer's, and distributed_c10d's
+            stack.enter_context(replaced(dist, name, replacement, forward))
+            if getattr(c10d, name, None) is not replacement and hasattr(c10d, name):
+                stack.enter_context(replaced(c10d, name, replacement))
+        with watch:
+            result = forward(*local, layout, causal)
+    result = _as_pair(result)
+    report = {"used": used, "peers": sorted(peers), "most_tokens": watch.most_tokens, "log": log,
+              "most_held": watch.most_held if scale == 1 else 0,  # with q x 60 an output row can equal a V row
+              "largest_chunk": max(len(p) for p in layout)}
+    if result is None:
+        return {**report, "bad_result": True}
+    out, lse = result
+    report["finite"] = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+    # 1e-4: with q x 60 the lse are hundreds, float32 keeps them to ~3e-5, and the merge's weights e^(lse_i - lse)
+    # carry that error into the output: a right ring that merges in another order (arrival order) differs by
+    # a few 1e-5 (seen: a 1e-5 tolerance failed such answers now and then on a busy machine)
+    report["ok_out"] = out.shape == expected[..., mine, :].shape and torch.allclose(out, expected[..., mine, :],
+                                                                                   rtol=1e-4, atol=1e-4)
+    report["ok_lse"] = lse.shape == expected_lse[..., mine].shape and torch.allclose(lse, expected_lse[..., mine],
+                                                                                    rtol=1e-4, atol=1e-4)
+    report["uncausal"] = causal and out.shape == expected[..., mine, :].shape and torch.allclose(
+        out, F.scaled_dot_product_attention(q, k, v)[..., mine, :], atol=1e-5)
+    return report
 
 
-def _not_reentrant(answer, dotted):
-    """``answer``, refusing to be called again while it runs: it called ``dotted``, the name the
-    check bound it to."""
-    running = []
-
-    def call(*args, **kwargs):
-        if running:
-            raise guard.FinishedVersionUsed(guard.message(dotted))
-        running.append(True)
-        try:
-            return answer(*args, **kwargs)
-        finally:
-            running.pop()
-
-    return call
-
-
-def _layer_run(rank, world_size, dispatch, combine, n_experts, k, capacity_factor, skew, tokens, dp):
-    group, members = None, list(range(world_size))
-    if dp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        group = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "ep")).get_group("ep")
-        members = dist.get_process_group_ranks(group)
-    full = make_moe(n_experts, k, capacity_factor, skew)
-    reference = copy.deepcopy(full)
-    loss = 0
-    inputs = {}
-    for r in members:  # the single-process layer on the tokens of every rank of the layer's group
-        x, upstream = make_tokens(r, tokens[r], positive=skew > 0)
-        x.requires_grad_()
-        y, aux = reference(x)
-        loss = loss + (y * upstream).sum() + aux
-        inputs[r] = (x, y.detach())
-    loss.backward()
-    # the rows this rank must send in the dispatch (its kept assignments) and receive (the kept assignments of
-    # every member for this rank's experts): the combine sends back what was received, backward reverses both
-    per_rank = n_experts // len(members)
-    first = members.index(rank) * per_rank
-    kept, received = 0, 0
-    for r in members:
-        routing = ep.route(reference.router, make_tokens(r, tokens[r], positive=skew > 0)[0], k, capacity_factor)
-        chosen = routing.experts[routing.keep]
-        kept += len(chosen) if r == rank else 0
-        received += int(((chosen >= first) & (chosen < first + per_rank)).sum())
-    needed = 2 * (kept + received) * DIM * 8  # float64 rows, forward and backward
-
-    # The layer calls the answer's functions (in this rank only). An answer that calls
-    # ep.dispatch (the course's own) would now call itself: say so rather than recurse.
-    ep.dispatch = _not_reentrant(dispatch, "course.parallel.expert_parallel.dispatch")
-    ep.combine = _not_reentrant(combine, "course.parallel.expert_parallel.combine")
-    layer = ep.ExpertParallelMoE(full, group)
-    x, upstream = make_tokens(rank, tokens[rank], positive=skew > 0)
-    x.requires_grad_()
-    groups = [None] if group is None else [None, group]
-    for g in groups:
-        tracing.clear(g)
-    y, aux = layer(x)
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return {"bad_shape": True}
-    ((y * upstream).sum() + aux).backward()
-    for g in groups:
-        tracing.wait_all(g)
-    expert_grads_ok = all(
-        torch.allclose(p.grad if p.grad is not None else torch.zeros_like(p),
-                       q.grad if q.grad is not None else torch.zeros_like(q), rtol=1e-9, atol=1e-9)
-        for local, expert in enumerate(layer.experts)
-        for p, q in zip(expert.parameters(), reference.experts[first + local].parameters())
-    )
-    return {
-        "ops": sorted({(c.op, "all ranks" if g is None else "the ep group", _what(c, x)) for g in groups
-                       for c in tracing.collectives(g)}),
-        "token_bytes": sum(c.bytes for g in groups for c in tracing.collectives(g) if _what(c, x) == "tokens"),
-        "needed_bytes": needed,
-        "output_ok": torch.allclose(y, inputs[rank][1], rtol=1e-9, atol=1e-9),
-        "input_grad_ok": x.grad is not None and torch.allclose(x.grad, inputs[rank][0].grad, rtol=1e-9, atol=1e-9),
-        "expert_grads_ok": expert_grads_ok,
-    }
+def _mismatched_transfer(transfers, world_size):
+    """The first receive whose buffer differs in size from what its sender sent (each rank's k-th isend
+    to a peer meets that peer's k-th irecv from it), as a sentence; None if none differs."""
+    calls = {}
+    for rank in range(world_size):
+        with contextlib.suppress(FileNotFoundError), open(f"{transfers}/{rank}") as f:
+            calls[rank] = [line.split() for line in f]
+    for rank, lines in calls.items():
+        received = [line for line in lines if line[0] == "irecv"]
+        for peer in {line[1] for line in received}:
+            mine = [line for line in received if line[1] == peer]
+            sent = [line for line in calls.get(int(peer), []) if line[0] == "isend" and line[1] == str(rank)]
+            for i, (got, theirs) in enumerate(zip(mine, sent)):
+                if got[3] != theirs[3]:
+                    return (f"rank {rank}'s receive buffer number {i + 1} from rank {peer} has shape ({got[2]}), "
+                            f"{got[3]} numbers, but rank {peer} sent a tensor of shape ({theirs[2]}), {theirs[3]} "
+                            "numbers: a receive buffer must be exactly as big as what arrives in it (the chunk "
+                            "arriving while you compute on rank src's is rank src - 1's). If the shape is the "
+                            "one you meant, the sender is not: compute the neighbours from the rank and the world "
+                            "size (the check runs 2, 3 and 4 ranks).")
+    return None
 
 
-def _what(collective, x):
-    """What a collective carried: tokens (rows of dim values) or counts (integers)."""
-    return "counts" if all(d.startswith("int") for d in collective.dtypes) else "tokens"
+def _overlapped(log):
+    """Every receive was in flight while attention ran: between posting each irecv and waiting for
+    it, the rank ran a matrix product on a chunk's keys or values. Only meaningful without
+    a causal mask: with one, a chunk that no query of this rank sees costs no product at all."""
+    posted, computed = set(), set()
+    for event in log:
+        if event[0] == "irecv":
+            posted.add(event[1])
+        elif event[0] == "compute":
+            computed |= posted
+        elif event[0] == "wait" and event[1] in posted and event[1] not in computed:
+            return False
+    return True
 
 
-def _judge_layer(results, case, subgroup):
-    if any("bad_shape" in r for r in results):
-        return wrong(f"with {case}, the layer's output does not have its input's shape: combine must return one row "
-                     "per row of x_sorted, in x_sorted's order.")
-    ops = sorted({op for r in results for op in r["ops"]})
-    others = [f"{op} of the {what} over {where}" for op, where, what in ops if op not in ALL_TO_ALL]
-    if others:
-        return wrong(f"with {case}, the answer ran {'; '.join(others)}: an all-gather gives every rank everything, "
-                     "a broadcast or all-reduce is not an exchange. Send each rank only what is for it, with "
-                     "all_to_all_single and the split sizes.")
-    if subgroup and any(where == "all ranks" for _, where, _ in ops):
-        return wrong(f"with {case}, the answer ran its all-to-alls over all ranks, not over the layer's group: "
-                     "pass group= to every collective (and take N from dist.get_world_size(group)).")
-    if not ops:
-        return wrong("the answer ran no collective: the tokens must travel to the ranks of their experts.")
-    if not all(r["output_ok"] for r in results):
-        bad = [rank for rank, r in enumerate(results) if not r["output_ok"]]
-        return wrong(f"with {case}, the output on rank(s) {bad} differs from the single-process layer's: are the tokens "
-                     "received grouped by source rank, then by expert, and do the results come back in x_sorted's order?")
-    if not all(r["input_grad_ok"] for r in results):
-        return wrong(f"with {case}, the output is right but the input gradient is not: the gradient must travel back "
-                     "through both exchanges — use the differentiable AllToAll, not dist.all_to_all_single directly.")
-    if not all(r["expert_grads_ok"] for r in results):
-        return wrong(f"with {case}, the output is right but the experts' gradients are not.")
+def _judge_ring(results, world_size, seq_len, causal, layout_name, scale):
+    case = f"{world_size} ranks, {seq_len} tokens, causal={causal}, {layout_name} layout"
+    if scale != 1:
+        case += f", q x {scale:g}"
     for rank, r in enumerate(results):
-        if r["token_bytes"] > r["needed_bytes"]:
-            return wrong(f"with {case}, rank {rank} handed {r['token_bytes']:,} B of tokens to its all-to-alls "
-                         f"(forward and backward), {r['token_bytes'] / r['needed_bytes']:.1f} x the "
-                         f"{r['needed_bytes']:,} B the exchange needs: each row goes only to the rank of its "
-                         "expert (and back), with uneven split sizes. Sending every token to every rank is an "
-                         "all-gather in disguise, N times the bytes.")
+        if any(name in BLOCKING for name in r.get("used", [])):
+            return wrong(f"rank {rank} called dist.{r['used'][0]}: use start_pass (dist.isend / dist.irecv), which "
+                         "returns at once, so that the next chunk travels while attend computes on this one.")
+        if r.get("used"):
+            return wrong(f"rank {rank} called dist.{r['used'][0]}: with a collective every rank ends up holding "
+                         "all of K and V (section 6's all-gather variant). Pass one chunk at a time to the next "
+                         "rank with dist.isend / dist.irecv.")
+        if r.get("bad_result"):
+            return wrong("return a pair (out, lse): this rank's attention output and its log-sum-exp.")
+    for rank, r in enumerate(results):
+        if any(event[0] == "waited twice" for event in r["log"]):
+            return wrong(f"with {case}, rank {rank} waited twice for the same request: wait for each one once "
+                         "(on gloo a second wait() of a finished isend or irecv never returns; the check skipped it).")
+    for rank, r in enumerate(results):
+        neighbours = {("isend", (rank + 1) % world_size), ("irecv", (rank - 1) % world_size),
+                      ("isend", (rank - 1) % world_size), ("irecv", (rank + 1) % world_size)}
+        strangers = [peer for kind, peer in r["peers"] if (kind, peer) not in neighbours]
+        if strangers:
+            return wrong(f"with {case}, rank {rank} talked to rank {strangers[0]}, which is not its neighbour: "
+                         "in a ring each rank receives from one neighbour and sends to the other.")
+        held = r["most_held"]
+        if held > MOST_KV_HELD:
+            return wrong(f"with {case}, rank {rank}'s tensors still alive during a product held {held:.1f} chunks' "
+                         "K and V at once (receive buffers, stacks, clones: any copy): a ring rank keeps the chunk "
+                         "it computes on and the one arriving, no more (attend's copy of the visible keys and "
+                         f"values makes {MOST_KV_HELD}). Attend to each chunk while the next one travels, then "
+                         "let it go.")
+        if r["most_tokens"] > r["largest_chunk"]:
+            return wrong(f"with {case}, rank {rank} built a tensor of {r['most_tokens']} tokens, more than a "
+                         f"chunk ({r['largest_chunk']}): a ring rank holds one K/V chunk at a time (and the next "
+                         "one arriving), never the whole sequence.")
+    for rank, r in enumerate(results):
+        if world_size > 1 and not any(event[0] == "irecv" for event in r["log"]):
+            return wrong(f"with {case}, rank {rank} received nothing with dist.irecv (no isend/irecv seen): pass "
+                         "the K/V chunks to the next rank with dist.isend / dist.irecv (start_pass).")
+    if not all(r["finite"] for r in results):
+        return wrong(f"with {case} the output or lse has inf or nan: with scores of hundreds e^score overflows "
+                     "float32 (e^89 already does). Merge with the running max subtracted (Exercise 1's merge).")
+    if not all(r["ok_out"] for r in results):
+        if causal and all(r["uncausal"] for r in results):
+            return wrong(f"with {case} the output is attention *without* the causal mask: pass causal on to attend.")
+        bad = [rank for rank, r in enumerate(results) if not r["ok_out"]]
+        return wrong(f"with {case} the output on rank(s) {bad} differs from full attention. At step s rank r "
+                     "holds the chunk of rank (r - s) % N, whose positions are layout[(r - s) % N]; each "
+                     "chunk must be seen exactly once.")
+    if not all(r["ok_lse"] for r in results):
+        return wrong(f"with {case} the output is right but lse is not: return the merged log-sum-exp.")
+    if not causal and not all(_overlapped(r["log"]) for r in results):
+        return wrong("the result is right, but a chunk arrived while nothing was computed: between posting each "
+                     "irecv and waiting for it the check saw no matrix product on a chunk's keys or values "
+                     "(a product on a few rows of K is not attention). Post the isend/irecv of the next "
+                     "chunk *before* calling attend on the current one, and wait after.")
     return None
 
 
 @exercise(
-    "Exercise 3 (dispatch and combine)",
-    hint="dispatch: first an all-to-all of the counts (each rank sends each rank the counts of that rank's experts), "
-    "then rows per rank = counts summed per rank, and AllToAll.apply(x_sorted, rows to receive, rows to send, group); "
-    "combine: the same exchange backwards, split sizes swapped.",
-    finished=("course.parallel.expert_parallel.dispatch", "course.parallel.expert_parallel.combine"),
+    "Exercise 2 (ring_forward)",
+    hint="at each of the N steps: start passing the K/V chunk you hold to rank r+1 (start_pass), attend "
+    "to it (its positions: layout[(rank - step) % N]), merge, then wait and take the chunk that arrived. "
+    "No pass after the last step.",
+    finished=("course.parallel.context_parallel.ring_forward",),
 )
-def dispatch_combine(dispatch, combine):
-    """Exercise 3: the expert-parallel layer with the answer's dispatch and combine equals the
-    single-process layer (output, input and expert gradients) on 2, 3 and 4 ranks."""
-    for case in LAYER_CASES:
-        name = _case_name(*case)
-        try:
-            results = launch(_layer_run, case[0], dispatch, combine, *case[1:], backend="traced", show=None, timeout=60)
-        except WorkerError as e:
-            on_group = " Is every collective on the layer's group (group=group)?" if case[-1] > 1 else ""
-            return wrong(f"with {name}, a rank failed: {e.failed.get(e.rank, e)}. Do both sides of every "
-                         f"exchange agree on how many rows go where, on any number of ranks?{on_group}")
-        feedback = _judge_layer(results, name, subgroup=case[-1] > 1)
+def ring_forward(forward):
+    """Exercise 2: ring attention's forward, checked against full attention on 2, 3 and 4 ranks."""
+    seed = random.randrange(1 << 30)
+    for world_size, seq_len, causal, layout_name, scale in RING_CASES:
+        with tempfile.TemporaryDirectory() as transfers:
+            try:
+                results = launch(_ring_run, world_size, forward, seed, seq_len, causal, layout_name, scale,
+                                 transfers, show=None, timeout=TIMEOUT)
+            except WorkerTimeoutError:
+                return wrong(f"with {world_size} ranks the ranks waited for each other until the timeout: every "
+                             "isend to rank r+1 needs an irecv on rank r+1 from rank r (the check also runs 3 and "
+                             "4 ranks).")
+            except WorkerError as e:
+                mismatch = _mismatched_transfer(transfers, world_size)
+                if mismatch is not None:  # gloo aborts the receiving rank's process (SIGABRT)
+                    return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}: {mismatch}")
+                reason = e.failed.get(e.rank, str(e))
+                advice = (" The check runs 2, 3 and 4 ranks: compute the neighbours from the rank and the world "
+                          "size." if "signal" in reason else "")
+                return wrong(f"with {world_size} ranks, {seq_len} tokens, causal={causal}, rank {e.rank} failed: "
+                             f"{reason}.{advice}")
+        feedback = _judge_ring(results, world_size, seq_len, causal, layout_name, scale)
         if feedback is not None:
             return feedback
-    return correct("the single-process layer on 2-4 ranks; only the rows needed.")
+    return correct("full attention on 2-4 ranks; neighbours only, overlapped, <= 3 chunks.")
 
 
-# ------------------------------------------------------------------ Exercise 4: predict the bytes
+# ------------------------------------------------------------------ Exercise 3: the zig-zag layout
 
-BYTES_DIMS = {2: 96, 3: 160, 4: 192}  # a token (4 dim B) > HEADER_SLACK (N-1): one token more or less is out; varied
-HEADER_SLACK = 200  # bytes per peer gloo may add (measured: 144 B per peer per all_to_all_single, torch 2.15)
-
-
-def random_send_counts(world_size, seed):
-    """A (N, N) matrix: row i = how many tokens rank i sends to each rank; at least 2 to itself."""
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 9, (world_size, world_size), generator=g)
-    counts.diagonal().add_(2)
-    return counts
+UNEVEN_CASES = [(2, 13), (3, 26)]  # lengths that 2N does not divide: slices differ by one token
+UNEVEN_TOLERANCE = 1.25  # the course's layout: slowest / fastest rank 1.12 (13 on 2) and 1.10 (26 on 3)
 
 
-def _bytes_run(rank, world_size, send_counts, dim):
-    send = send_counts[rank].tolist()
-    receive = send_counts[:, rank].tolist()
-    x = torch.randn(sum(send), dim)
-    out = torch.empty(sum(receive), dim)
-    dist.barrier()  # the connections' setup traffic done before measuring
-    with wire.measure() as m:
-        dist.all_to_all_single(out, x, receive, send)
-    return m.sent
+def _flops(rank, world_size, layouts):
+    """This rank's flops in ring attention over each of the layouts (one launch per world size)."""
+    flops = []
+    for layout in layouts:
+        q, k, v = (torch.randn(1, len(layout[rank]), DIM) for _ in range(3))
+        with FlopCounterMode(display=False) as counter:
+            cp.ring_attention(q, k, v, layout, True)
+        flops.append(counter.get_total_flops())
+    return flops
 
 
-SEED = random.randrange(1 << 30)  # drawn once per process: no table of answers fits, and a second try reuses the runs
+def _runs(positions):
+    """How many runs of consecutive positions."""
+    return 1 + sum(1 for a, b in zip(positions, positions[1:]) if b != a + 1)
 
 
-@functools.cache
-def _measured_sends(world_size, seed):
-    """The bytes each rank sent in the all-to-all of random_send_counts(world_size, seed): measured once per
-    kernel (the answer does not change what goes on the wire, so a second try compares with the same run)."""
-    counts, dim = random_send_counts(world_size, seed), BYTES_DIMS[world_size]
-    return tuple(launch(_bytes_run, world_size, counts, dim, show=None, timeout=60))
-
-
-@exercise(
-    "Exercise 4 (bytes sent)",
-    hint="row `rank` of send_counts says how many tokens this rank sends to each rank; each token is dim float32 "
-    "values; and one of those chunks never leaves the process.",
-)
-def bytes_sent(predict):
-    """Exercise 4: predict the bytes a rank sends in one all-to-all, then compare with the wire."""
-    for world_size in (2, 3, 4):
-        seed = SEED + world_size
-        counts, dim = random_send_counts(world_size, seed), BYTES_DIMS[world_size]
-        measured = _measured_sends(world_size, seed)
-        for rank in range(world_size):
-            guess = predict(counts.clone(), rank, dim)
-            if isinstance(guess, torch.Tensor) and guess.numel() == 1 and not guess.is_floating_point():
-                guess = int(guess)  # a 0-d (or 1-element) integer tensor: its value
-            if not isinstance(guess, numbers.Real) or isinstance(guess, bool):
-                return wrong(f"return a number of bytes (an int); got {guess!r}.")
-            payload = (int(counts[rank].sum()) - int(counts[rank, rank])) * dim * 4
-            if payload <= guess <= min(measured[rank], payload + HEADER_SLACK * (world_size - 1)):
-                continue  # the tokens' bytes, plus at most gloo's headers
-            with_own = guess == payload + int(counts[rank, rank]) * dim * 4
-            received = guess == (int(counts[:, rank].sum()) - int(counts[rank, rank])) * dim * 4
-            mistakes = [said for matches, said in (
-                (with_own, "its row with its own chunk: a rank's own chunk is copied in memory, the wire never sees it "
-                           "(measured)."),
-                (received, "what the rank receives (its column of send_counts); it sends its row."),
-                (guess * 4 == payload, "its payload in values, not bytes: a float32 value is 4 bytes."),
-            ) if matches]
-            if len(mistakes) > 1:  # these random counts make two mistakes the same number: name both
-                return wrong("that is " + " It is also ".join(mistakes))
-            if mistakes:
-                return wrong("that is " + mistakes[0])
-            return wrong(f"on {world_size} ranks, dim = {dim}, with send_counts = {counts.tolist()}, rank {rank} sent "
-                         f"{measured[rank]:,} B (gloo adds ~{144 * (world_size - 1)} B of headers); you predicted {guess:,}.")
-    return correct("what the wire measured on 2, 3 and 4 ranks, less gloo's headers.")
-
-
-# ------------------------------------------------------------------ Exercise 5: the EP x DP gradient sync
-
-SYNC_MESHES = [(4, 2), (2, 2), (4, 1)]  # (ranks, dp): 2x2, then pure DP, then pure EP
-STEPS, LR = 1, 0.1  # one step: a wrong expert update does not yet change the router's gradient
-
-
-def _mean_loss(layer_output, target):
-    y, aux = layer_output
-    return ((y - target) ** 2).mean() + 0.01 * aux
-
-
-def train_ep_dp(rank, world_size, dp, sync):
-    """One SGD step of the expert-parallel layer on a (dp, ep) mesh, gradients synced by ``sync(layer, dp_group)``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "ep"))
-    layer = ep.ExpertParallelMoE(freeze_up_biases(make_moe(4, 2, 1.0)), mesh.get_group("ep"))
-    optimizer = torch.optim.SGD(layer.parameters(), lr=LR)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x, target = make_tokens(10 * step + rank, 8)
-        _mean_loss(layer(x), target).backward()
-        sync(layer, mesh.get_group("dp"))
-        optimizer.step()
-    per_rank = 4 // mesh.size(1)
-    first = mesh.get_local_rank("ep") * per_rank
-    return {"router": layer.router.weight.detach(),
-            "experts": {first + i: [p.detach() for p in e.parameters()] for i, e in enumerate(layer.experts)}}
-
-
-def freeze_up_biases(moe):
-    """Freeze every expert's first bias: a model with frozen parameters (no gradient to sync)."""
-    for expert in moe.experts:
-        expert.up.bias.requires_grad_(False)
-    return moe
-
-
-def train_one_process(world_size):
-    """The same steps in one process: the mean of the ranks' losses."""
-    moe = freeze_up_biases(make_moe(4, 2, 1.0))
-    optimizer = torch.optim.SGD(moe.parameters(), lr=LR)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        losses = [_mean_loss(moe(x), target) for x, target in (make_tokens(10 * step + r, 8) for r in range(world_size))]
-        (sum(losses) / world_size).backward()
-        optimizer.step()
-    return moe
-
-
-def compare_training(results, moe):
-    """(router equal on every rank, experts equal on every rank) against one process."""
-    router = all(torch.allclose(r["router"], moe.router.weight, rtol=1e-9, atol=1e-12) for r in results)
-    experts = all(torch.allclose(p, q, rtol=1e-9, atol=1e-12)
-                  for r in results for e, params in r["experts"].items() for p, q in zip(params, moe.experts[e].parameters()))
-    return router, experts
+def _zigzag_layout_of(fn, world_size, seq_len):
+    """(fn's layout as tensors, None), or (None, the feedback) where it is wrong without measuring."""
+    even = seq_len % (2 * world_size) == 0
+    case = f"{seq_len} tokens on {world_size} ranks"
+    try:
+        layout = fn(seq_len, world_size)
+    except Exception as e:  # noqa: BLE001 - reported as the feedback
+        advice = "" if even else " (2N does not divide the length: slices then differ by one token)"
+        return None, wrong(f"with {case} your function raised {type(e).__name__}: {e}{advice}")
+    try:
+        layout = [torch.as_tensor(p, dtype=torch.long).flatten() for p in layout]
+    except (TypeError, ValueError):
+        return None, wrong("return a list with one 1-D tensor of token positions per rank.")
+    if len(layout) != world_size:
+        return None, wrong(f"with {case} the layout has {len(layout)} entries: one per rank (the check also runs "
+                           "3 and 4 ranks).")
+    if sorted(torch.cat(layout).tolist()) != list(range(seq_len)):
+        return None, wrong(f"with {case} the ranks do not hold every token exactly once"
+                           + ("." if even else ": when 2N does not divide the length, cut with torch.tensor_split, "
+                              "whose slices differ by one token, so that none is dropped."))
+    if any(_runs(p.tolist()) > 2 for p in layout):
+        return None, wrong(f"with {case} a rank holds more than two slices of consecutive tokens: the zig-zag layout "
+                           "gives each rank two slices (two runs of neighbouring tokens).")
+    low, high = 2 * (seq_len // (2 * world_size)), 2 * -(-seq_len // (2 * world_size))
+    if any(not low <= len(p) <= high for p in layout):
+        return None, wrong(f"with {case} the ranks hold {[len(p) for p in layout]} tokens: each should hold two of "
+                           f"2N slices that differ by at most one token, {low} to {high} tokens.")
+    return layout, None
 
 
 @exercise(
-    "Exercise 5 (EP x DP gradient sync)",
-    hint="skip frozen parameters (no .grad). After backward, an expert's gradient already holds every token of its expert-parallel group; "
-    "the router's holds only this rank's. Each rank's loss counts 1/(all ranks) in the mean.",
-    finished=("course.parallel.expert_parallel.sync_gradients",),
+    "Exercise 3 (zigzag_layout)",
+    hint="cut the sequence into 2N slices with torch.tensor_split (equal when 2N divides the length, else "
+    "differing by one token); under a causal mask slice i costs about i + 1/2 blocks of work, "
+    "so give each rank two slices whose costs add up to the same total: an early one and a late one.",
+    finished=("course.parallel.context_parallel.zigzag_layout",),
 )
-def ep_dp_sync(sync):
-    """Exercise 5: fix the gradient sync; trained on 2x2, 2x1 and 1x4 meshes (dp x ep) it must match one process."""
-    for world_size, dp in SYNC_MESHES:
-        mesh = f"{dp} x {world_size // dp} mesh (dp x ep)"
-        try:
-            results = launch(train_ep_dp, world_size, dp, sync, show=None, timeout=60)
-        except WorkerError as e:
-            return wrong(f"on a {mesh} whose experts have frozen biases (requires_grad=False: no .grad), a rank "
-                         f"failed: {e.failed.get(e.rank, e)}. Skip the parameters that do not train.")
-        router, experts = compare_training(results, train_one_process(world_size))
-        if not router and not experts:
-            return wrong(f"on a {mesh}, neither the router nor the experts train like one process.")
-        if not router:
-            return wrong(f"on a {mesh}, the experts are right but the router is not: it is replicated on every rank, "
-                         "and each rank's router gradient holds only its own tokens.")
-        if not experts:
-            return wrong(f"on a {mesh}, the router is right but the experts are not: which ranks hold the same experts, "
-                         "and by what must their sum be divided?")
-    return correct("on 2x2, 2x1 and 1x4 meshes, frozen biases: like one process.")
+def zigzag_layout(fn):
+    """Exercise 3: a layout (two slices per rank) that balances causal attention's work."""
+    size = random.randint(2, 5)  # tokens per slice, fresh each time: no layout can be hard-coded
+    cases = [(n, 2 * n * size) for n in (2, 3, 4)] + UNEVEN_CASES
+    layouts, feedback = [], None  # the layouts, in order, up to the first that is wrong by itself
+    for world_size, seq_len in cases:
+        layout, feedback = _zigzag_layout_of(fn, world_size, seq_len)
+        if feedback is not None:
+            break
+        layouts.append((world_size, seq_len, layout))
+    flops = {}  # (ranks, tokens) -> flops per rank: one launch per world size, for all its layouts at once
+    for world_size, seq_len, _ in layouts:  # in the order of the cases, as if each had been measured in turn
+        if (world_size, seq_len) not in flops:
+            mine = [(tokens, layout) for n, tokens, layout in layouts if n == world_size]
+            per_rank = launch(_flops, world_size, [layout for _, layout in mine], show=None, timeout=60)
+            flops.update({(world_size, tokens): [f[i] for f in per_rank] for i, (tokens, _) in enumerate(mine)})
+        even, measured = seq_len % (2 * world_size) == 0, flops[world_size, seq_len]
+        if (len(set(measured)) > 1) if even else max(measured) > UNEVEN_TOLERANCE * min(measured):
+            return wrong(f"with {seq_len} tokens on {world_size} ranks the ranks' work is not balanced: measured "
+                         f"flops per rank {measured}. Pair the slices so that each rank's two costs add up to the "
+                         "same total.")
+    if feedback is not None:
+        return feedback
+    return correct("every token once, two slices per rank, equal flops on 2-4 ranks.")

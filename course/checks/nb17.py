@@ -1,205 +1,189 @@
-"""Checks for the capstone (notebook 17) (putting it together: 3-D parallelism, choosing a configuration)."""
+"""Checks for notebook 17 (pipeline schedules: interleaved 1F1B and zero bubble)."""
 
-import math
-import numbers
+import contextlib
 import random
 
-from course.classroom import guard
 from course.classroom.exercises import correct, exercise, wrong
-from course.parallel.parallel3d import mesh_groups as reference_groups
-from course.parallel.planner import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Config, micro_batches, splits, stage_layers
+from course.parallel.pipeline import Deadlock
+from course.parallel.schedules import Op, ScheduleError, bubble_fraction, orders_of, simulate
+
+
+class TorchScheduleUsed(RuntimeError):
+    """The answer built one of torch.distributed.pipelining's schedules."""
+
+
+TORCH_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                   "ScheduleDualPipeV", "ScheduleLoopedBFS", "Schedule1F1B", "ScheduleGPipe")
+
+
+@contextlib.contextmanager
+def torch_schedules_refused():
+    """While the answer runs, torch's schedules refuse to compute their order (``pipeline_order``):
+    the answer is meant to be the student's own generator, not torch's under another name.
+    Only the imported module is patched: a copy of torch's code (a second import of its file,
+    its functions with their globals saved beforehand, tables computed earlier) is not seen. No
+    check can see where a table came from; the random points drawn at each call stop tables
+    computed in advance."""
+    from torch.distributed.pipelining import schedules
+
+    def refuse(*args, **kwargs):
+        raise TorchScheduleUsed("torch.distributed.pipelining computed this schedule")
+
+    undo = []
+    for name in TORCH_SCHEDULES:
+        cls = getattr(schedules, name, None)
+        for attribute in ("__init__", "_calculate_single_rank_operations"):
+            if cls is not None and attribute in vars(cls):
+                undo.append((cls, attribute, vars(cls)[attribute]))
+                setattr(cls, attribute, refuse)
+    undo.append((schedules, "_get_1f1b_rank_ops", schedules._get_1f1b_rank_ops))
+    schedules._get_1f1b_rank_ops = refuse
+    try:
+        yield
+    finally:
+        for owner, attribute, value in reversed(undo):
+            setattr(owner, attribute, value)
+
+
+def _table(fn, *args):
+    """The answer's table as Op rows, or a wrong(...) saying why not."""
+    try:
+        with torch_schedules_refused():
+            table = fn(*args)
+        return [Op(*(int(x) if k != 2 else str(x) for k, x in enumerate(row))) for row in table]
+    except TorchScheduleUsed:
+        return wrong("your function asks torch.distributed.pipelining for its schedule (pipeline_order): the "
+                     "check runs *your* generator; the notebook compares with torch's afterwards.")
+    except Exception as e:
+        return wrong(f"for {args} your function raised {type(e).__name__}: {e}. Return a list of "
+                     "(rank, slot, op, mb, chunk) rows.")
+
+
+def _judge(table, p, m, v, promise, law, name):
+    """wrong(...) if the table does not run, holds more than ``promise(r)`` activations on a rank,
+    or idles more than ``law``; else None."""
+    where = f"p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+    try:
+        timeline = simulate(table, p, m, v)
+    except ScheduleError as e:
+        return wrong(f"{where}: {e}.")
+    except Deadlock as e:
+        return wrong(f"{where}: the schedule deadlocks: {e}. A rank that starts a backward too early waits for a "
+                     "gradient whose forward it has not sent yet: warm up with more forwards.")
+    for r, held in enumerate(timeline.peak):
+        if held > promise(r):
+            return wrong(f"{where}: rank {r} holds up to {held} {'chunk' if v > 1 else 'micro-batch'} activations "
+                         f"at once; {name} promises at most {promise(r)}. {_why_held(table, p, r, promise(r))}")
+    if law is not None and timeline.bubble > law + 1e-9:
+        return wrong(f"{where}: the pipeline idles {timeline.bubble:.3f} of the step, {name}'s law says "
+                     f"{law:.3f}. The ranks wait for each other: which action could run earlier?")
+    return None
+
+
+def _why_held(table, p, r, promised):
+    """Why rank r holds too much, read from its order: an activation lives from its F until the
+    action that frees it (its B, or its W where the backward is split)."""
+    order = [op for op, _, _ in orders_of(table, p)[r]]
+    if order.index("B") > promised:
+        return f"It runs {order.index('B')} forwards before its first backward: too many in the warm-up."
+    if "W" in order:
+        return ("Its warm-up is not too long: its W's are held back too long (an activation lives from its F "
+                "until its W).")
+    return "Its warm-up is not too long: after it, does it run more forwards than backwards?"
+
+
+def _random_points(points, draw, n=3):
+    """``points`` and ``n`` more drawn at call time (not in ``points``): an answer that looks its
+    tables up in a dict prepared for the fixed points fails on them."""
+    points = list(points)
+    for _ in range(n):
+        while (point := draw()) in points:
+            pass
+        points.append(point)
+    return points
+
 
 # ------------------------------------------------------------------ Exercise 1
 
-# Shapes (dp, pp, tp) the answer must get right: a 2 x 2 x 2 answer written out by hand fails the others,
-# and the uneven ones tell the dimensions apart.
-SHAPES = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (3, 1, 2), (2, 3, 2), (1, 1, 1)]
+# (p, m, v): m a multiple of p and not, v from 1 to 4, m < p, p up to 6 and m up to 13 (a rule
+# that holds only for small p or m fails there); the law is checked where m >= p.
+INTERLEAVED = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 6, 2), (2, 5, 3), (3, 7, 2), (4, 4, 4), (3, 2, 2), (2, 3, 1),
+               (5, 10, 2), (6, 13, 2), (5, 12, 1)]
 
 
-def _canonical(answer):
-    return {dim: sorted(sorted(g) for g in answer.get(dim, [])) for dim in ("dp", "pp", "tp")}
+def _first_round(p, m):
+    rounds = max(1, m // p)
+    return -(-m // rounds)  # the size of the first round of micro-batches
 
 
 @exercise(
-    "Exercise 1 (mesh_groups)",
-    hint="a rank's coordinates are d = rank // (pp * tp), p = rank // tp % pp, t = rank % tp. A group of one "
-    "dimension is the ranks whose *other two* coordinates are equal: loop over the other two, vary this one.",
-    finished=("course.parallel.parallel3d.mesh_groups",),
+    "Exercise 1 (interleaved 1F1B)",
+    hint="list the forwards of a rank in the order it runs them: a round of micro-batches through chunk 0, then "
+    "the same round through chunk 1, ... The backwards go the same way, chunks reversed. For the warm-up, "
+    "count, one slot per F or B, the forwards rank r can run before micro-batch 0's gradient is back on its "
+    "last chunk: those of its earlier chunks that come first in the order, its own forward of micro-batch "
+    "0 on its last chunk, and one for every slot of the round trip to the last rank and back. Then it alternates "
+    "F and B, then runs the backwards left. When p does not divide m, the rounds differ by one micro-batch: put "
+    "the larger rounds first (the warm-up is counted on the first round: with a smaller first round a rank "
+    "reaches a backward before its forward).",
+    finished=("course.parallel.schedules.interleaved_1f1b",),
 )
-def mesh_groups(fn):
-    """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
-    while (drawn := (random.randint(1, 4), random.randint(1, 4), random.randint(1, 4))) in SHAPES:
-        pass  # one more shape, fresh each time: a table of the listed shapes' answers fails it
-    for shape in [*SHAPES, drawn]:
-        try:
-            answer = fn(*shape)
-        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
-            return wrong(f"mesh_groups{shape} raised {type(e).__name__}: {e}")
-        if not isinstance(answer, dict) or set(answer) != {"dp", "pp", "tp"}:
-            return wrong('return a dict with the keys "dp", "pp" and "tp", each a list of lists of ranks.')
-        got, expected = _canonical(answer), _canonical(guard.original(reference_groups)(*shape))
-        if got == expected:
-            continue
-        dp, pp, tp = shape
-        for dim in ("dp", "pp", "tp"):
-            if got[dim] != expected[dim]:
-                size = {"dp": dp, "pp": pp, "tp": tp}[dim]
-                groups = got[dim]
-                if sorted(r for g in groups for r in g) != list(range(dp * pp * tp)):
-                    return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups must cover every rank exactly once: "
-                                 f"you gave {groups}.")
-                if any(len(g) != size for g in groups):
-                    return wrong(f"for (dp, pp, tp) = {shape} each {dim} group has {size} ranks (one per {dim} "
-                                 f"coordinate); you gave {groups}.")
-                if got["tp"] == expected["dp"] or got["dp"] == expected["tp"]:
-                    return wrong("your tp groups are the dp groups: tp varies fastest (neighbouring ranks, one node), "
-                                 "dp slowest.")
-                return wrong(f"for (dp, pp, tp) = {shape} the {dim} groups should be {expected[dim]}, not {groups}.")
-    return correct(f"the groups of every dimension for {len(SHAPES)} grid shapes,\nfrom 1 x 1 x 1 to 4 x 2 x 1, and one "
-                   "drawn at random: the lists DeviceMesh makes on 8 ranks below.")
+def interleaved(fn):
+    """Exercise 1: the interleaved 1F1B table for p ranks, m micro-batches, v chunks per rank."""
+    if not callable(fn):
+        return wrong("write a function of (p, m, v) that returns the table: a list of (rank, slot, op, mb, chunk).")
+    cases = _random_points(INTERLEAVED, lambda: (random.randint(2, 8), random.randint(2, 24), random.randint(1, 4)))
+    for p, m, v in cases:
+        table = _table(fn, p, m, v)
+        if not isinstance(table, list):
+            return table
+        if any(row.op == "W" for row in table):
+            return wrong("interleaved 1F1B has whole backwards (B), no W: that is Exercise 2.")
+        warmup = lambda r: min((v - 1) * _first_round(p, m) + 2 * (p - 1 - r), m * v)  # noqa: B023, E731
+        law = bubble_fraction("interleaved", p, m, v) if m >= p else None
+        verdict = _judge(table, p, m, v, lambda r: warmup(r) + 1, law, "interleaved 1F1B")  # noqa: B023
+        if verdict is not None:
+            return verdict
+    return correct(
+        f"{len(cases)} pipelines, p from 2 to 6, m from 2 to 13:\n"
+        "m a multiple of p or not, v from 1 to 4, and 3 drawn at random: every action once,\n"
+        "each B after its F, no deadlock, no rank over its promised activations, and where m >= p\n"
+        f"no more idle than the law (p - 1) / (v m + p - 1): {bubble_fraction('interleaved', 4, 8, 2):.3f} "
+        f"for p = 4, m = 8, v = 2 (1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
+    )
 
 
 # ------------------------------------------------------------------ Exercise 2
 
-
-def _is_number(answer):
-    return not isinstance(answer, bool) and isinstance(answer, numbers.Real)
-
-
-def _state_gb(params, zero, dp):
-    """The reference (private; refused as an answer while a check runs: ``finished=``).
-    bf16 weights (2 bytes) and gradients (2) and fp32 master weights + Adam (12) per parameter, each
-    split over the ``dp`` ranks from the ZeRO stage that shards it on."""
-    return (2 / (dp if zero >= 3 else 1) + 2 / (dp if zero >= 2 else 1) + 12 / (dp if zero >= 1 else 1)) * params / 1e9
+ZERO_BUBBLE = [(2, 4), (4, 8), (3, 5), (4, 6), (3, 3), (2, 7), (4, 2), (5, 10), (6, 9), (6, 13)]
 
 
 @exercise(
-    "Exercise 2 (where the memory goes)",
-    hint="per parameter: bf16 weights (2 bytes), bf16 gradients (2 bytes), fp32 master weights and Adam's two "
-    "moments (12 bytes). ZeRO-1 splits the 12 over the dp ranks, ZeRO-2 the gradients too, ZeRO-3 also the weights.",
-    finished=("course.parallel.planner.memory", "course.checks.nb17._state_gb"),
+    "Exercise 2 (ZB-H1)",
+    hint="start from 1F1B (rank r warms up with p - r - 1 forwards), split each backward into B and W, and "
+    "let rank r run W right after B except for its first r W's, which go to the end, where its bubble was.",
+    finished=("course.parallel.schedules.zb_h1",),
 )
-def state_gb(fn):
-    """Exercise 2: ``fn(params, zero, dp)`` -> GB per GPU of weights + gradients + optimizer state."""
-    reference_state_gb = guard.original(_state_gb)  # guarded while the check runs: it would pass as an answer
-    rng = random.Random()
-    cases = [(LLAMA3_8B.params(), 1, 8), (LLAMA3_70B.params(), 3, 64), (1_000_000, 0, 4), (1_000_000, 2, 4)]
-    cases += [(rng.randrange(10**6, 10**12), rng.randint(0, 3), rng.randint(2, 4096)) for _ in range(20)]
-    for params, zero, dp in cases:
-        try:
-            answer = fn(params, zero, dp)
-        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
-            return wrong(f"state_gb({params}, {zero}, {dp}) raised {type(e).__name__}: {e}")
-        if not _is_number(answer) or not math.isfinite(answer):
-            return wrong(f"state_gb({params}, {zero}, {dp}) returned {answer!r}: return a number of gigabytes "
-                         "(1 GB = 1e9 bytes).")
-        expected = reference_state_gb(params, zero, dp)
-        if abs(answer - expected) <= 1e-6 * expected:
-            continue
-        close = lambda value: abs(answer - value) <= 1e-6 * value  # noqa: E731
-        where = f"for {params:,} parameters, ZeRO-{zero}, dp = {dp}: {answer:.4g} GB, expected {expected:.4g}. "
-        if close(expected * 1e9 / 2**30):
-            return wrong(where + "That is in GiB (2**30 bytes): answer in GB, 1e9 bytes.")
-        if close(16 * params / dp / 1e9) or close(16 * params / 1e9):
-            return wrong(where + "Each ZeRO stage shards a different part: 1 the optimizer state, 2 + the gradients, "
-                         "3 + the weights.")
-        if close(reference_state_gb(params, zero, dp) + 2 * params / (dp if zero >= 2 else 1) / 1e9):
-            return wrong(where + "That counts fp32 gradients: here they are bf16, 2 bytes.")
-        if close(reference_state_gb(params, zero, dp) - 4 * params / (dp if zero >= 1 else 1) / 1e9):
-            return wrong(where + "The optimizer state also holds fp32 master weights (4 bytes) beside Adam's moments.")
-        if close(reference_state_gb(params, min(zero + 1, 3), dp)) or close(reference_state_gb(params, zero - 1, dp)):
-            return wrong(where + "That is another ZeRO stage's split: count which of the three parts stage "
-                         f"{zero} shards.")
-        return wrong(where + "See the hint.")
-    return correct(f"{len(cases)} cases, 20 of them drawn at random;\nLlama-3 8B with ZeRO-1 on 8 GPUs: "
-                   f"{reference_state_gb(LLAMA3_8B.params(), 1, 8):.1f} GB before a single activation.")
-
-
-# ------------------------------------------------------------------ Exercise 3
-
-
-def _activations(model, config, seq, global_batch, stage, c):
-    """The reference (private; refused as an answer while a check runs: ``finished=``).
-    The layers' activations on pipeline stage ``stage`` under 1F1B, without recomputation."""
-    per_layer = c * seq * config.micro_batch * model.hidden / ((config.tp if config.sp else 1) * config.cp)
-    held = min(config.pp - stage, micro_batches(config, global_batch))
-    return per_layer * stage_layers(model, config.pp, stage) * held
-
-
-def _random_case(rng):
-    model = rng.choice([LLAMA3_8B, LLAMA3_70B, LLAMA3_405B])
-    pp = rng.choice([p for p in (1, 2, 4, 8, 16) if splits(model, p)])
-    tp, cp, b = rng.choice([1, 2, 4, 8]), rng.choice([1, 2]), rng.choice([1, 2])
-    dp = rng.choice([1, 2, 4, 8])
-    config = Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=b, sp=rng.random() < 0.7)
-    global_batch = dp * b * rng.choice([1, 2, 3, pp, 2 * pp, 3 * pp])  # fewer micro-batches than stages, or more
-    return model, config, rng.choice([2048, 4096, 8192]), global_batch, rng.randrange(pp), rng.uniform(2, 60)
-
-
-CASES3 = [  # (model, config, seq, global batch, stage, c): hand cases
-    (LLAMA3_8B, Config(dp=8), 8192, 512, 0, 41.0),  # one GPU's 32 layers, one micro-batch
-    (LLAMA3_70B, Config(dp=2, tp=4, pp=4), 8192, 512, 0, 41.0),  # the first stage holds 4 micro-batches
-    (LLAMA3_70B, Config(dp=2, tp=4, pp=4), 8192, 512, 3, 41.0),  # the last holds 1
-    (LLAMA3_70B, Config(dp=4, tp=4, pp=4, sp=False), 8192, 8, 0, 41.0),  # 2 micro-batches in all; no SP
-    (LLAMA3_405B, Config(dp=8, tp=8, pp=16, cp=2), 8192, 256, 1, 15.5),  # 126 layers: stage 1 has 8
-]
-
-
-def _mistakes(model, config, seq, global_batch, stage, c):
-    """What plausible wrong versions of the activation term give, each with what to say."""
-    m, layers = micro_batches(config, global_batch), stage_layers(model, config.pp, stage)
-    reference_activations = guard.original(_activations)
-    right = reference_activations(model, config, seq, global_batch, stage, c)
-    held = min(config.pp - stage, m)
-    return [
-        (right / config.tp if not config.sp else right * config.tp, "split over tp with sequence parallelism, and "
-         "only then."),
-        (right * config.cp, "context parallelism gives each rank 1/cp of every sequence's tokens."),
-        (right / held * m, "that holds every micro-batch (GPipe); under 1F1B stage p holds pp - p of them."),
-        (right / held * (config.pp - stage), "a stage cannot hold more micro-batches than the step has "
-         "(micro_batches(config, global_batch))."),
-        (right / held * min(config.pp, m), "the later stages start their backwards sooner: stage p holds pp - p "
-         "micro-batches."),
-        (right / layers * (model.layers // config.pp), "with uneven stages (layers % pp != 0) use "
-         "stage_layers(model, pp, stage)."),
-        (right / config.micro_batch, "a micro-batch is config.micro_batch sequences: one layer holds "
-         "c x seq x micro_batch x hidden bytes of each."),
-    ]
-
-
-@exercise(
-    "Exercise 3 (the activation term)",
-    hint="one layer, one micro-batch: c x seq x micro_batch x hidden bytes, split over tp only with sequence "
-    "parallelism (config.sp) and over cp. A stage holds stage_layers(model, pp, stage) layers; under 1F1B stage p "
-    "has started pp - p micro-batches before its first backward, but never more than the step has "
-    "(micro_batches(config, global_batch)).",
-    finished=("course.parallel.planner.memory", "course.parallel.planner.in_flight", "course.checks.nb17._activations"),
-)
-def activation_bytes(fn):
-    """Exercise 3: ``fn(model, config, seq, global_batch, stage, c)`` -> bytes of the layers' activations that
-    pipeline stage ``stage`` holds at its peak under 1F1B, without recomputation (no logits)."""
-    reference_activations = guard.original(_activations)  # guarded while the check runs: it would pass as an answer
-    rng = random.Random()
-    cases = CASES3 + [_random_case(rng) for _ in range(40)]
-    answers = []
-    for model, config, seq, batch, stage, c in cases:
-        try:
-            answer = fn(model, config, seq, batch, stage, c)
-        except Exception as e:  # noqa: BLE001 - the student's code: say what it raised
-            return wrong(f"on {model.name}, {config}, stage {stage}: {type(e).__name__}: {e}")
-        if not _is_number(answer) or not math.isfinite(answer):
-            return wrong(f"return a number of bytes, not {answer!r}.")
-        answers.append(answer)
-    same = lambda a, b: abs(a - b) <= 1e-9 * abs(b)  # noqa: E731
-    wrong_at = [i for i, (case, a) in enumerate(zip(cases, answers)) if not same(a, reference_activations(*case))]
-    if not wrong_at:
-        return correct(f"{len(CASES3)} hand cases and 40 drawn at random\n(8B to 405B, uneven stages, SP on and off, "
-                       "CP, fewer micro-batches than stages):\nthe memory model's activation term.")
-    model, config, seq, batch, stage, c = cases[wrong_at[0]]
-    where = (f"{model.name}, dp={config.dp} tp={config.tp} pp={config.pp} cp={config.cp} b={config.micro_batch} "
-             f"sp={config.sp}, {batch} sequences of {seq}, stage {stage}, c = {c:.3g}: ")
-    for k, (_, why) in enumerate(_mistakes(*cases[wrong_at[0]])):  # the mistake that explains every wrong answer
-        if all(same(answers[i], _mistakes(*cases[i])[k][0]) for i in wrong_at):
-            return wrong(where + why)
-    expected = reference_activations(*cases[wrong_at[0]])
-    return wrong(where + f"{answers[wrong_at[0]]:.4g} bytes, expected {expected:.4g}. See the hint.")
+def zero_bubble(fn):
+    """Exercise 2: the ZB-H1 table (F, B, W) for p ranks and m micro-batches, one chunk per rank."""
+    if not callable(fn):
+        return wrong("write a function of (p, m) that returns the table: a list of (rank, slot, op, mb, chunk).")
+    cases = _random_points(ZERO_BUBBLE, lambda: (random.randint(2, 8), random.randint(2, 24)))
+    for p, m in cases:
+        table = _table(fn, p, m)
+        if not isinstance(table, list):
+            return table
+        if not any(row.op == "W" for row in table):
+            return wrong(f"p = {p}, m = {m}: no W in your table: without the split backward it is 1F1B. "
+                         "Split each B into B (input gradient) and W (weight gradient).")
+        law = bubble_fraction("zb-h1", p, m) if m >= p else None
+        verdict = _judge(table, p, m, 1, lambda r: min(p, m), law, "ZB-H1 (as 1F1B's rank 0)")  # noqa: B023
+        if verdict is not None:
+            return verdict
+    return correct(
+        f"{len(cases)} pipelines, p from 2 to 6, m from 2 to 13 (m < p too),\n"
+        "and 3 drawn at random: every F, B and W once, in order, no deadlock,\n"
+        "no rank over p activations (1F1B's rank 0), and where m >= p no more idle than the law\n"
+        "(p - 1) / (3 m + p - 1): "
+        f"{bubble_fraction('zb-h1', 4, 8):.3f} for p = 4, m = 8 (1F1B: {bubble_fraction('1f1b', 4, 8):.3f})."
+    )

@@ -37,7 +37,7 @@ def oldest_supported(package="torch"):
     return None
 
 
-# Notebooks 11-17 (FSDP2, DTensor and pipelining on the traced backend, torch.distributed.pipelining's
+# Notebooks 11-18 (FSDP2, DTensor and pipelining on the traced backend, torch.distributed.pipelining's
 # tracer) were tested on torch 2.15; on torch 2.8 parts of them fail (measured), versions in between
 # are untested. Part I and notebook 10 work from the course's floor (pyproject) up.
 PART_II_TORCH = "2.15"
@@ -148,7 +148,7 @@ def doctor() -> int:
     else:
         ok &= _line("all_reduce" in ops and torch.equal(grad0, grad1), what, ", ".join(ops))
     part_ii = torch_at_least(PART_II_TORCH)
-    _line(None, "notebooks 11-17 (FSDP2, DTensor, pipelining, Part III)",
+    _line(None, "notebooks 11-18 (FSDP2, DTensor, pipelining, Part III)",
           "can run here" if part_ii else f"need torch >= {PART_II_TORCH}; Part I and notebook 10 run on this torch")
     print("All good: the course runs here." if ok else "Something above failed: see README.md, Troubleshooting.")
     return 0 if ok else 1

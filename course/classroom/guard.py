@@ -1,7 +1,7 @@
 """While a check runs, the course's own finished version of the answer refuses to work for it.
 
 The package holds the finished code of many exercises (``course.parallel.context_parallel.ring_forward``
-is Exercise 2 of notebook 14, derived there step by step). An answer that *is* it, or wraps it,
+is Exercise 2 of notebook 15, derived there step by step). An answer that *is* it, or wraps it,
 would pass its check while teaching nothing, so a check names the finished versions of its answer
 (``@exercise(..., finished=["course.parallel.context_parallel.ring_forward"])``) and, while it judges:
 
@@ -34,7 +34,7 @@ their function (:func:`install`; a forked rank inherits them anyway).
 
 What it cannot see: the finished code's *text* typed again, pasted (``solution()`` shows it) or
 run by ``exec`` under another file name is the same code a derivation that ends where the
-course's does compiles to (notebook 16's solution is, instruction for instruction): it passes.
+course's does compiles to (notebook 17's solution is, instruction for instruction): it passes.
 Nor does it chase deliberate digging: a copy kept outside the answer's module and the notebook's
 and reached by a name the answer's code does not spell (``getattr(torch, "f" + "n")``), this
 module's private state, ``gc``. The course's promise is about the plausible wrong answers and

@@ -5,7 +5,7 @@ from ``solutions/`` with the outputs stored there: the ones nbval compares, neve
 module writes the pages Sphinx reads into a staging folder, then runs Sphinx:
 
 * the landing page (``site/index.md``) with one section per part, each notebook a chapter, found
-  by its file name (``NN_*.ipynb``: 01-09 Part I, 10-13 Part II, 14 on Part III);
+  by its file name (``NN_*.ipynb``: 01-09 Part I, 10-14 Part II, 15 on Part III);
 * each chapter is its solution notebook, changed only for the reader: the Colab header cells give
   way to links to the *student* version (Open in Colab, Download), each exercise's cell shows the
   student's stub and hides the solution in a collapsed block (the cells ``python -m course build``
@@ -34,8 +34,8 @@ SITE = ROOT / "site"  # conf.py, the landing page and the stylesheet
 OUT = ROOT / "build" / "site"  # git-ignored, like every build output
 PARTS = (  # (caption, first notebook, last notebook or None)
     ("Part I — DDP", 1, 9),
-    ("Part II — beyond DDP", 10, 13),
-    ("Part III — the rest of modern training, built by hand", 14, None),
+    ("Part II — beyond DDP", 10, 14),
+    ("Part III — the rest of modern training, built by hand", 15, None),
 )
 API_FOLDERS = ("runtime", "observe", "training", "parallel", "classroom")  # the layers, bottom up
 CHAPTER_BUDGET = 2 * 1024 * 1024  # bytes: a chapter's page and its images

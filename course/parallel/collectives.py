@@ -1,6 +1,6 @@
 """Collectives built from point-to-point messages: a naive all-reduce and the ring.
 
-Notebook 10 derives them; notebooks 11-13 reuse the ring's two halves:
+Notebook 10 derives them; notebooks 11-14 reuse the ring's two halves:
 
 * :func:`ring_reduce_scatter` leaves rank ``r`` with the sum over all ranks of chunk ``r``
   (what ``dist.reduce_scatter_tensor`` does, for any length);

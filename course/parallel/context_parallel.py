@@ -1,4 +1,4 @@
-"""Context parallelism by hand: ring attention (notebook 14).
+"""Context parallelism by hand: ring attention (notebook 15).
 
 The sequence is split over the ranks: rank r holds the queries, keys and values of its own
 tokens, whose global positions are ``layout[r]`` (a 1-D LongTensor; the same ``layout`` list
@@ -16,7 +16,7 @@ their owner after N passes. Nothing of size sequence × sequence is ever stored.
 Shapes: q, k, v are (..., tokens, dim) (leading dims such as batch and heads are carried
 along). Layouts: :func:`contiguous_layout` (rank r: the r-th slice; with a causal mask the
 last rank does most of the work) and :func:`zigzag_layout` (two slices per rank, an early and
-a late one, which balances it). Notebook 14 derives this code; a test asserts that its cells and
+a late one, which balances it). Notebook 15 derives this code; a test asserts that its cells and
 this file hold the same code.
 """
 

@@ -31,7 +31,7 @@ split sizes swapped (:class:`AllToAll`). An expert's gradient then holds the con
 every rank's tokens; the router's holds only this rank's, so with data parallelism on top the
 two kinds of gradients are summed over different process groups (:func:`sync_gradients`).
 
-Notebook 15 derives this code; tests/test_expert_parallel.py proves the expert-parallel layer
+Notebook 16 derives this code; tests/test_expert_parallel.py proves the expert-parallel layer
 equals :class:`MoE` (outputs and gradients, dropped tokens, a rank that receives no token).
 """
 

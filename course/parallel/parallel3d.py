@@ -1,4 +1,4 @@
-"""3-D parallelism (notebook 17): data × pipeline × tensor parallelism on one mesh of ranks.
+"""3-D parallelism (notebook 18): data × pipeline × tensor parallelism on one mesh of ranks.
 
 The ``world_size = dp · pp · tp`` ranks form a 3-D grid; rank ``r`` sits at
 
@@ -8,9 +8,9 @@ so the tensor dimension varies fastest: on a real cluster the ``tp`` ranks of on
 neighbours, on one node, where the links are fastest (TP talks in every layer). This is the
 order ``init_device_mesh(device, (dp, pp, tp))`` uses too.
 
-* **TP** (notebook 12): inside a stage, each block's attention heads and MLP are split over
+* **TP** (notebook 13): inside a stage, each block's attention heads and MLP are split over
   the ``tp`` ranks with Megatron's column/row-parallel layers (``course.parallel.tensor_parallel``).
-* **PP** (notebook 13): the blocks are cut into ``pp`` stages; the first stage also holds the
+* **PP** (notebook 14): the blocks are cut into ``pp`` stages; the first stage also holds the
   embedding, the last the output layer and the loss. Micro-batches flow GPipe's way:
   activations forward with ``isend``, gradients back.
 * **DP** (notebook 10): the ``dp`` pipelines each take a slice of the batch; after backward

@@ -1,4 +1,4 @@
-"""Pipeline parallelism by hand (notebook 13): a model cut into stages, one stage per rank.
+"""Pipeline parallelism by hand (notebook 14): a model cut into stages, one stage per rank.
 
 A pipeline *schedule* is, for every stage, the order in which it runs its actions:
 ``("F", i)`` is the forward of micro-batch ``i``, ``("B", i)`` its backward. GPipe runs

@@ -1,6 +1,6 @@
 """A model of memory and communication per GPU, for choosing a parallel configuration (the capstone).
 
-Everything here is a **model**: formulas built from the laws notebooks 10–15 measured, with
+Everything here is a **model**: formulas built from the laws notebooks 10–16 measured, with
 their assumptions written down, so they can be checked against small runs before they are
 trusted for big ones (the capstone does that on 8 ranks, and :func:`validation` against
 published runs of torchtitan and Llama 3).
@@ -47,7 +47,7 @@ Assumptions (change them by changing the arguments):
   PP: per micro-batch and model chunk, one activation forward and one gradient back, except
   that the first stage sends nothing back and the last nothing forward;
   ``1/tp`` of it with sequence parallelism (each TP rank sends its slice);
-  CP: notebook 14's ring attention: per layer and micro-batch ``3cp - 2`` messages of one rank's K/V
+  CP: notebook 15's ring attention: per layer and micro-batch ``3cp - 2`` messages of one rank's K/V
   (its ``1/cp`` of the tokens, its ``1/tp`` of the K/V heads): ``cp - 1`` in forward, ``cp - 1`` and
   ``cp`` dK/dV accumulators in backward (``cp - 1`` more with full recomputation). torch 2.15's
   ``context_parallel`` sends the accumulators in fp32 (``convert_to_f32``, read in its source, not
@@ -722,7 +722,7 @@ def _pp_sends(config: Config, stage: int) -> int:
 
 
 def _cp_passes(config: Config) -> int:
-    """K/V-sized messages one context-parallel rank sends per layer and micro-batch in notebook 14's ring
+    """K/V-sized messages one context-parallel rank sends per layer and micro-batch in notebook 15's ring
     attention: ``cp - 1`` K/V chunks in forward; in backward ``cp - 1`` again, and the dK/dV accumulators
     ``cp`` times (the last pass takes each home); full recomputation runs the forward's ring again."""
     n = config.cp
@@ -834,7 +834,7 @@ def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> 
 
 def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,), schedules=TORCH_SCHEDULES):
     """Every valid configuration (powers of two for dp, tp, pp; context parallelism of each size in
-    ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 14's zigzag layout: pass e.g.
+    ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 15's zigzag layout: pass e.g.
     ``cp=(1, 2, 4, 8, 16)`` to let it in; every ZeRO stage; micro-batches of 1, 2 or 4; each
     recomputation policy; with pipelines, those of 1F1B, interleaved with 2 or 4 chunks per rank, ZB-H1
     and ZB-H2 named in ``schedules``: by default :data:`TORCH_SCHEDULES`, what torch 2.15 runs, so

@@ -1,4 +1,4 @@
-"""Pipeline schedules beyond 1F1B (notebook 16): the schedule as data, checked, simulated, run.
+"""Pipeline schedules beyond 1F1B (notebook 17): the schedule as data, checked, simulated, run.
 
 A *schedule* is a table with one row per action: ``Op(rank, slot, op, mb, chunk)``. Rank
 ``rank`` runs its rows in ``slot`` order; ``op`` is ``"F"`` (forward), ``"B"`` (backward) or
@@ -81,7 +81,7 @@ def gpipe_table(p, m):
 
 
 def one_f_one_b_table(p, m):
-    """1F1B (notebook 13): ``p - r - 1`` forwards to warm up, then one forward, one backward."""
+    """1F1B (notebook 14): ``p - r - 1`` forwards to warm up, then one forward, one backward."""
     return from_orders([[(k, i, 0) for k, i in one_f_one_b_order(r, p, m)] for r in range(p)])
 
 

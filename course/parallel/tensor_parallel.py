@@ -22,7 +22,7 @@ forward and one in backward, and the big hidden activation is never communicated
 
 Every layer here is built from a full layer (``ColumnParallelLinear(nn.Linear(...))``) and
 keeps this rank's slice of it, so tests can compare with the unsplit layer directly.
-``group`` is the tensor-parallel process group (default: all ranks). Notebook 12 derives
+``group`` is the tensor-parallel process group (default: all ranks). Notebook 13 derives
 this code; tests/test_tensor_parallel.py proves it equals the unsplit layers.
 """
 
