@@ -655,3 +655,10 @@ def test_saved_activation_bytes_counts_each_storage_once_real_or_fake(fake):
         saved, _ = course.observe.memory.saved_activation_bytes(
             lambda x: torch.relu(layer(x)) + x.view(8, 4).t().sum(), layer, x)
     assert saved == 2 * 4 * 8 * 4
+
+
+def test_notebook_12_restates_notebook_11s_model():
+    """Notebook 12 measures FSDP2 against notebook 11's numbers, so it must train the same model on the same data."""
+    eleven, twelve = definitions(NOTEBOOK), definitions(SOLUTIONS / "12_fsdp2.ipynb")
+    for name in ("block", "make_model", "batch"):
+        assert twelve[name] == eleven[name], name

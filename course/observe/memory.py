@@ -5,7 +5,7 @@ Notebook 11 derives these functions (and a test checks that they are the same co
     >>> bytes_per_rank(model, optimizer)
     {'parameters': 1048576, 'gradients': 1048576, 'optimizer': 2097168}
 
-and ``saved_activation_bytes``, the activations autograd keeps for backward (notebooks 11 and 15).
+and ``saved_activation_bytes``, the activations autograd keeps for backward (notebooks 11, 12 and 15).
 They count *storage*, the memory a tensor points into, not ``numel()``: a sharded
 parameter (a ``DTensor``) is counted by its local shard (``to_local()``), padding
 included, and tensors that are views of one buffer are counted once.
