@@ -1,5 +1,5 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3 by hand, FSDP2, bytes per rank (at rest and at the peak) and sharded
-checkpoints (notebook 11), on gloo/CPU."""
+checkpoints (notebooks 11 and 12), on gloo/CPU."""
 
 import contextlib
 import copy
