@@ -496,7 +496,7 @@ def test_cp_traffic_is_notebook_14s_ring_attention_measured_on_the_sockets():
 
 
 def test_the_search_tries_zb_h2_only_when_asked():
-    """By default the search tries the schedules torch 2.15 runs (planner.TORCH_SCHEDULES): not ZB-H2."""
+    """By default the search tries the planner's schedules that torch 2.15 runs (planner.TORCH_SCHEDULES): not ZB-H2."""
     every = planner.candidates(LLAMA3_8B, Cluster(8), 16, 8192, schedules=planner.SCHEDULES)
     default = planner.candidates(LLAMA3_8B, Cluster(8), 16, 8192)
     assert {c.schedule for c in every} == {"1f1b", "interleaved", "zb-h1", "zb-h2"}
@@ -520,11 +520,17 @@ def test_context_parallelism_in_the_search_llama3_405b_at_128k_tokens():
     # without CP, dp x pp >= 2048 (tp <= 8) and at most 128 replicas: m = 128 / dp <= pp / 16 micro-batches
     assert all(planner.micro_batches(c, batch) <= c.pp / 16 for c in fitting if c.cp == 1)
     assert seconds[without_cp] > 4 * seconds[fastest]
-    # Meta's TP 8 x CP 16 x PP 16 x DP 8 fits; 10.6% slower than the fastest with torch 2.15's schedules (the
-    # default), 14.2% than the fastest with ZB-H2, which it then runs: both over 10%, under 15%
+    # that one is ZB-H1 with m = 1 on 16 stages: it idles 2(p-1)/3 = 10 times its compute, not the law's (p-1)/3
+    idle = planner.step_time(model, cluster, without_cp, seq, batch)
+    assert (without_cp.schedule, without_cp.pp, planner.micro_batches(without_cp, batch)) == ("zb-h1", 16, 1)
+    assert idle["bubble"] == pytest.approx(10 * idle["compute"])
+    # Meta's TP 8 x CP 16 x PP 16 x DP 8 fits and is about 10% slower than the default search's fastest: the five
+    # fastest lie within 1.2% of each other and Meta's is 9.3-10.6% slower than each; 14.2% slower than the fastest
+    # with ZB-H2, which it then runs: under 15%
     assert planner.fits(model, cluster, meta, seq, batch) and fastest.schedule != "zb-h2"
     meta_seconds = planner.step_time(model, cluster, meta, seq, batch)["total"]
-    assert 1.10 < meta_seconds / seconds[fastest] < 1.15
+    assert seconds[fitting[4]] / seconds[fastest] < 1.015
+    assert all(1.09 < meta_seconds / seconds[c] < 1.11 for c in fitting[:5])
     assert with_h2.schedule == "zb-h2" and seconds[with_h2] < seconds[fastest]
     assert 1.10 < meta_seconds / seconds[with_h2] < 1.15
     assert planner.best(model, cluster, batch, seq).cp == 1  # the default search leaves CP out
