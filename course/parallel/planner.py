@@ -569,11 +569,11 @@ def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     chunks per rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023): a third of 1F1B's,
     ``(p-1)/(3m)``. These two laws hold for ``m >= p``; with fewer micro-batches both idle more, and the
     figure is the simulator's for the schedules notebook's table (the table torch 2.15 builds: a test),
-    e.g. ZB-H1 with ``m = 1``: ``2(p-1)/3``, not ``(p-1)/3``. ZB-H2 (the course's :func:`~course.parallel.schedules.zb_h2`): what rank 0
-    idles inside its own step, ``max(0, 2p-1-m)`` forwards' time per ``3m`` of compute (0 from
-    ``m = 2p-1`` on), on the paper's condition that consecutive steps then overlap, the next one
-    starting on rank 0 while the last rank finishes: no all-reduce before the optimizer step
-    (post-validation); with one, its step idles as ZB-H1's."""
+    e.g. ZB-H1 with ``m = 1``: ``2(p-1)/3``, not ``(p-1)/3``. ZB-H2 (the course's
+    :func:`~course.parallel.schedules.zb_h2`): what rank 0 idles inside its own step, ``max(0, 2p-1-m)``
+    forwards' time per ``3m`` of compute (0 from ``m = 2p-1`` on), on the paper's condition that
+    consecutive steps then overlap, the next one starting on rank 0 while the last rank finishes: no
+    all-reduce before the optimizer step (post-validation); with one, its step idles as ZB-H1's."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is one of {SCHEDULES}, not {schedule!r}")
     if pp < 1 or m < 1 or v < 1:
