@@ -87,16 +87,18 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from course.parallel.schedules import bubble_fraction
+from course.parallel.schedules import bubble_fraction, interleaved_1f1b, simulate, zb_h1
 
 RECOMPUTE = ("none", "selective", "full")
 # bytes per logit at the loss's peak in forward: the bf16 logits, their fp32 copy and the fp32 log-softmax
 # that cross-entropy saves: torchtitan's loss on bf16 logits (backward's peak: LOSS_PEAK_BYTES, further down)
 LOGIT_BYTES = 2 + 4 + 4
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
-# What torch 2.15's torch.distributed.pipelining runs: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and
-# ScheduleInterleavedZeroBubble (the paper's ZB1P, ZB-H1 with one stage per rank). It has no ZB-H2, nor the
-# post-validation that ZB-H2's zero bubble needs (no all-reduce before the optimizer step): the search's default.
+# The planner's schedules that torch 2.15's torch.distributed.pipelining runs: ScheduleGPipe, Schedule1F1B,
+# ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (the paper's ZB1P, ZB-H1 with one stage per rank): the
+# search's default. torch 2.15 also runs ScheduleLoopedBFS, ScheduleZBVZeroBubble and ScheduleDualPipeV, which the
+# planner has no model of (ZBV and DualPipeV idle less than ZB-H1: notebook 17). It has no ZB-H2, nor the
+# post-validation that ZB-H2's zero bubble needs (no all-reduce before the optimizer step).
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -563,20 +565,32 @@ def bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """The pipeline's idle time as a fraction of its ideal compute time (a model, equal forward,
     input-gradient and weight-gradient times): ``f / (1 - f)`` of the schedules notebook's
     :func:`~course.parallel.schedules.bubble_fraction` ``f``, the idle fraction of the whole step.
-    GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal ratio); interleaved with ``v`` chunks per
-    rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023): a third of 1F1B's,
-    ``(p-1)/(3m)``. ZB-H2 (the course's :func:`~course.parallel.schedules.zb_h2`): what rank 0
-    idles inside its own step, ``max(0, 2p-1-m)`` forwards' time per ``3m`` of compute (0 from
-    ``m = 2p-1`` on), on the paper's condition that consecutive steps then overlap, the next one
-    starting on rank 0 while the last rank finishes: no all-reduce before the optimizer step
-    (post-validation); with one, its step idles as ZB-H1's."""
+    GPipe and 1F1B: ``(p-1)/m`` (Megatron's bubble/ideal ratio), for every ``m``; interleaved with ``v``
+    chunks per rank: ``(p-1)/(v·m)`` (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023): a third of 1F1B's,
+    ``(p-1)/(3m)``. These two laws hold for ``m >= p``; with fewer micro-batches both idle more, and the
+    figure is the simulator's for the schedules notebook's table (the table torch 2.15 builds: a test),
+    e.g. ZB-H1 with ``m = 1``: ``2(p-1)/3``, not ``(p-1)/3``. ZB-H2 (the course's
+    :func:`~course.parallel.schedules.zb_h2`): what rank 0 idles inside its own step, ``max(0, 2p-1-m)``
+    forwards' time per ``3m`` of compute (0 from ``m = 2p-1`` on), on the paper's condition that
+    consecutive steps then overlap, the next one starting on rank 0 while the last rank finishes: no
+    all-reduce before the optimizer step (post-validation); with one, its step idles as ZB-H1's."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is one of {SCHEDULES}, not {schedule!r}")
     if pp < 1 or m < 1 or v < 1:
         raise ValueError(f"pp, m and v are >= 1, not {pp}, {m}, {v}")
     if schedule == "zb-h2":
         return max(0, 2 * pp - 1 - m) / (3 * m)
+    if schedule in ("interleaved", "zb-h1") and m < pp:  # outside the law's domain
+        return _simulated_bubble(schedule, pp, m, v)
     idle = bubble_fraction(schedule, pp, m, v)  # idle / (compute + idle)
+    return idle / (1 - idle)
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated_bubble(schedule: str, pp: int, m: int, v: int) -> float:
+    """:func:`bubble` of the schedules notebook's table, played by its simulator in unit time (F = B = W)."""
+    table = interleaved_1f1b(pp, m, v) if schedule == "interleaved" else zb_h1(pp, m)
+    idle = simulate(table, pp, m, v).bubble
     return idle / (1 - idle)
 
 
@@ -817,9 +831,15 @@ def fits(model: Model, cluster: Cluster, config: Config, seq: int, global_batch:
 
 def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> bool:
     """Can this configuration run at all: the GPUs, heads and layers divide, the global batch's sequences
-    split evenly over the data-parallel replicas (so ``dp × micro_batch`` is at most the global batch),
-    and an interleaved schedule has at least ``pp`` micro-batches (Megatron's condition)."""
+    split evenly over the data-parallel replicas (so ``dp × micro_batch`` is at most the global batch), and
+    torch 2.15's schedule takes its ``m`` micro-batches (torch/distributed/pipelining/schedules.py):
+    ``Schedule1F1B`` needs ``m >= pp``; ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``
+    (interleaved, ZB-H1) need equal rounds, ``m`` a multiple of ``max(1, m // pp)`` (so ``m = pp + 1``
+    and ``m < pp`` run, ``m = 2pp + 1`` does not). One condition is the course's, not torch's:
+    interleaved only with ``m`` a multiple of ``pp``, where :func:`in_flight` counts its warm-up (in
+    rounds of ``pp`` micro-batches). tests/test_planner.py builds torch's schedules to check each."""
     c = config
+    m = micro_batches(c, global_batch)
     return (
         c.gpus == cluster.gpus
         and model.heads % c.tp == 0
@@ -828,7 +848,9 @@ def valid(model: Model, cluster: Cluster, config: Config, global_batch: int) -> 
         and c.pp * c.v <= model.layers
         and global_batch % (c.dp * c.micro_batch) == 0
         and c.tp <= cluster.per_node
-        and (c.schedule != "interleaved" or micro_batches(c, global_batch) >= c.pp)
+        and (c.pp == 1 or c.schedule != "1f1b" or m >= c.pp)  # torch's Schedule1F1B
+        and (c.schedule not in ("interleaved", "zb-h1") or m % max(1, m // c.pp) == 0)  # torch's equal rounds
+        and (c.schedule != "interleaved" or m % c.pp == 0)  # the course's: in_flight's warm-up
     )
 
 
@@ -837,9 +859,11 @@ def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(
     ``cp`` that cuts the sequence into ``2·cp`` equal chunks, notebook 15's zigzag layout: pass e.g.
     ``cp=(1, 2, 4, 8, 16)`` to let it in; every ZeRO stage; micro-batches of 1, 2 or 4; each
     recomputation policy; with pipelines, those of 1F1B, interleaved with 2 or 4 chunks per rank, ZB-H1
-    and ZB-H2 named in ``schedules``: by default :data:`TORCH_SCHEDULES`, what torch 2.15 runs, so
-    not ZB-H2; pass :data:`SCHEDULES` to let it in): the ones that fit first, fastest first, then the
-    rest, by memory."""
+    and ZB-H2 named in ``schedules``: by default :data:`TORCH_SCHEDULES`, the planner's schedules that
+    torch 2.15 runs, so not ZB-H2; pass :data:`SCHEDULES` to let it in; never GPipe, which idles as long
+    as 1F1B in this model and holds more, so ``schedules=("gpipe",)`` gives layouts without a pipeline
+    only, and so not the layouts with fewer micro-batches than stages that torch's GPipe runs and its 1F1B
+    refuses): the ones that fit first, fastest first, then the rest, by memory."""
     if isinstance(schedules, str) or not set(schedules) <= set(SCHEDULES):
         raise ValueError(f"schedules: a tuple of some of {SCHEDULES}, not {schedules!r}")
     powers = [2**i for i in range(20) if 2**i <= cluster.gpus]

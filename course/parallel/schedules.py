@@ -334,8 +334,9 @@ def from_torch(pipeline_order, p, layout="loop"):
 def bubble_fraction(schedule, p, m, v=1):
     """The idle fraction of a step by the schedule's law, F = B = W in time (1F1B's backward is
     B + W). The bubble of GPipe and 1F1B is (p - 1)(F + B + W) per rank; interleaving divides it
-    by v (Narayanan et al. 2021); ZB-H1 leaves (p - 1)(F + B - W) (Qi et al. 2024). The laws hold
-    for m >= p (with fewer micro-batches than stages every schedule idles more)."""
+    by v (Narayanan et al. 2021); ZB-H1 leaves (p - 1)(F + B - W) (Qi et al. 2024). GPipe's and
+    1F1B's law holds for every m; interleaved's and ZB-H1's for m >= p (with fewer micro-batches
+    than stages they idle more: :func:`simulate` their tables, as the planner does)."""
     work = 3 * m  # F + B + W per micro-batch, per rank
     idle = {"gpipe": 3 * (p - 1), "1f1b": 3 * (p - 1), "interleaved": 3 * (p - 1) / v, "zb-h1": p - 1}
     if schedule not in idle:
