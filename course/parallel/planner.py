@@ -83,7 +83,9 @@ are assumptions of the order NCCL's own tuning model uses, not measurements.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -212,6 +214,7 @@ def splits(model: Model, pp: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=2**12)  # a search asks for the same few many times
 def stage_params(model: Model, tp: int, pp: int, stage: int, ends: bool = True) -> int:
     """Parameters one GPU of pipeline stage ``stage`` holds under ``tp``-way tensor parallelism (with
     ``ends=False``, those of its layers only: not the embedding, output layer and final norm)."""
@@ -299,7 +302,23 @@ def selective_policy():
     return policy
 
 
-@functools.lru_cache(maxsize=None)
+def _measured_once(function):
+    """``functools.lru_cache`` for a measurement: ``f(m)``, ``f(m, "cuda")`` and ``f(m, kernels="cuda")`` are
+    one measurement, made once (``lru_cache`` alone keys the three apart and would trace the block three times)."""
+    signature = inspect.signature(function)
+    measured = functools.lru_cache(maxsize=None)(function)
+
+    @functools.lru_cache(maxsize=None)  # each way of calling, matched with its measurement once
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return measured(*bound.args)
+
+    return call
+
+
+@_measured_once
 def activation_coefficient(model: Model, kernels: str = "cuda", recompute: str = "none",
                            repeat_kv: bool = False, seq: int = 64, head_dim: int | None = None,
                            fp32_norm: bool = False):
@@ -779,6 +798,7 @@ def ring_steps(model: Model, config: Config, global_batch: int, stage: int) -> d
     }
 
 
+@functools.lru_cache(maxsize=None)
 def flops_per_token(model: Model, seq: int, recompute: str = "none") -> float:
     """Training FLOPs per token (a model): ``6`` per parameter of the matrices (the input embedding is
     a lookup) plus causal attention's ``6·L·h·s`` (half of PaLM's ``12·L·h·s``); full recomputation
@@ -793,6 +813,12 @@ def flops_per_token(model: Model, seq: int, recompute: str = "none") -> float:
 
 def step_time(model: Model, cluster: Cluster, config: Config, seq: int, global_batch: int) -> dict:
     """Seconds per step: {"compute", "bubble", "tp", "pp", "cp", "dp exposed", "total"} (a model)."""
+    return dict(_step_time(model, _without_memory(cluster), config, seq, global_batch))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _step_time(model: Model, cluster: Cluster, config: Config, seq: int, global_batch: int) -> tuple:
+    """:func:`step_time`'s figures as (name, seconds) pairs, remembered."""
     c = config
     flops = flops_per_token(model, seq, c.recompute) * global_batch * seq / c.gpus
     slowest = max(stage_layers(model, c.pp, s) for s in {0, min(1, c.pp - 1)}) * c.pp / model.layers
@@ -820,7 +846,7 @@ def step_time(model: Model, cluster: Cluster, config: Config, seq: int, global_b
         "dp exposed": max(0.0, dp - compute * (1 if c.zero >= 2 else 2 / 3 / m)),
     }
     times["total"] = sum(times.values())
-    return times
+    return tuple(times.items())
 
 
 def fits(model: Model, cluster: Cluster, config: Config, seq: int, global_batch: int) -> bool:
@@ -866,6 +892,20 @@ def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(
     refuses): the ones that fit first, fastest first, then the rest, by memory."""
     if isinstance(schedules, str) or not set(schedules) <= set(SCHEDULES):
         raise ValueError(f"schedules: a tuple of some of {SCHEDULES}, not {schedules!r}")
+    found = _valid_configs(model, _without_memory(cluster), global_batch, seq, tuple(cp), tuple(schedules))
+
+    def key(c):  # fitting first, then fastest, then the least memory
+        total = sum(memory(model, c, seq, global_batch, kernels=cluster.kernels,
+                           activation_scale=cluster.activation_scale).values())
+        fitting = total <= cluster.usable * cluster.memory  # as fits() says
+        return (not fitting, step_time(model, cluster, c, seq, global_batch)["total"] if fitting else 0.0, total)
+
+    return sorted(found, key=key)
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_configs(model: Model, cluster: Cluster, global_batch: int, seq: int, cp: tuple, schedules: tuple) -> tuple:
+    """:func:`candidates`' configurations, unsorted, remembered (a sweep searches the same ones again)."""
     powers = [2**i for i in range(20) if 2**i <= cluster.gpus]
     piped = [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zb-h2", 1)]
     schedules = {1: [("1f1b", 1)], 0: [(name, v) for name, v in piped if name in schedules]}
@@ -877,14 +917,14 @@ def candidates(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(
             config = Config(cluster.gpus // (tp * pp * cp_), tp, pp, cp_, zero, b, recompute, schedule=schedule, v=v)
             if valid(model, cluster, config, global_batch):
                 found.append(config)
+    return tuple(found)
 
-    def key(c):  # fitting first, then fastest, then the least memory
-        total = sum(memory(model, c, seq, global_batch, kernels=cluster.kernels,
-                           activation_scale=cluster.activation_scale).values())
-        fitting = total <= cluster.usable * cluster.memory  # as fits() says
-        return (not fitting, step_time(model, cluster, c, seq, global_batch)["total"] if fitting else 0.0, total)
 
-    return sorted(found, key=key)
+@functools.lru_cache(maxsize=None)
+def _without_memory(cluster: Cluster) -> Cluster:
+    """``cluster`` less its memory settings (what a sweep changes), which neither a step's time nor which
+    configurations are valid depend on: searches that differ only in those share the remembered answers."""
+    return dataclasses.replace(cluster, memory=0.0, usable=1.0, kernels="cuda", activation_scale=1.0)
 
 
 def best(model: Model, cluster: Cluster, global_batch: int, seq: int, cp=(1,), schedules=TORCH_SCHEDULES) -> Config:
