@@ -93,7 +93,8 @@ def time_alone(only, paths=()):
     rows, slow = [], []
     for path in paths:
         name = str(path.relative_to(ROOT)) if ROOT in path.parents else str(path)
-        seconds, ok = run_pytest(["-o", "addopts=--nbval --nbval-current-env", str(path)])
+        # the README's addopts without xdist: -p course.classroom defers rfc3987-syntax's parser build (2-4 s)
+        seconds, ok = run_pytest(["-o", "addopts=--nbval --nbval-current-env -p course.classroom", str(path)])
         rows.append([name, f"{seconds:.1f}", "pass" if ok else "FAIL"])
         if seconds > NOTEBOOK_LIMIT_S:
             slow.append(path.name)
