@@ -13,7 +13,7 @@ from course.parallel import planner
 from course.parallel.planner import LLAMA3_8B, LLAMA3_405B, Cluster, Config, Model
 
 pytestmark = pytest.mark.skipif(
-    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-17 need torch >= {PART_II_TORCH}"
+    not torch_at_least(PART_II_TORCH), reason=f"notebooks 11-18 need torch >= {PART_II_TORCH}"
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ Assumptions (change them by changing the arguments):
 * a decoder-only transformer (:class:`Model`): per layer the attention projections
   (grouped-query: ``kv_heads`` ≤ ``heads``) and an MLP of ``ffn_matrices`` matrices
   (2 for GELU, 3 for SwiGLU); embedding and output layer ``vocab × hidden`` each (untied);
-* mixed precision as notebook 11 measured it: bf16 parameters and gradients, fp32 master
+* mixed precision as notebooks 11 and 12 measured it: bf16 parameters and gradients, fp32 master
   weights and Adam's two moments: 2 + 2 + 12 = 16 bytes per parameter before sharding
   (FSDP2 with fp32 gradient reduction holds fp32 sharded weights and gradients: also 16);
 * TP splits every layer's matrices (not the norms or the row-parallel biases) and, with
