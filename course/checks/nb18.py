@@ -28,8 +28,10 @@ def _canonical(answer):
 )
 def mesh_groups(fn):
     """Exercise 1: ``fn(dp, pp, tp)`` -> {"dp": [[ranks], ...], "pp": ..., "tp": ...}."""
-    while (drawn := (random.randint(1, 4), random.randint(1, 4), random.randint(1, 4))) in SHAPES:
-        pass  # one more shape, fresh each time: a table of the listed shapes' answers fails it
+    # one more shape, fresh each time: a table of the listed shapes' answers fails it. Every dimension at
+    # least 2, so that no made-up fallback (all ranks in one tp group, ...) is right by luck on it.
+    while (drawn := (random.randint(2, 4), random.randint(2, 4), random.randint(2, 4))) in SHAPES:
+        pass
     for shape in [*SHAPES, drawn]:
         try:
             answer = fn(*shape)
