@@ -55,9 +55,23 @@ def _is_notebook_cell(item):
     return isinstance(getattr(item, "options", None), dict) and str(item.path).endswith(".ipynb")
 
 
+def _start_autograd_before_any_fake_cuda():
+    """The process's first ``backward()`` decides, once, whether autograd starts a thread per GPU; if it does,
+    every forked rank's backward fails ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). Without a GPU none start, unless ``FakeTensorMode`` has already given CUDA a stand-in
+    device (torch/_subclasses/fake_tensor.py, ``_ensureCUDADeviceGuardSet``, torch 2.15): then 8 start
+    (measured). The planner's tests trace on fake CUDA and other tests fork ranks that run backward, in any
+    order: one CPU backward first settles it (with a GPU the launcher uses forkserver anyway)."""
+    import torch
+
+    torch.ones(1, requires_grad=True).sum().backward()
+
+
 def pytest_configure(config):
     if getattr(config.option, "nbval_sanitize_with", "unset") is None:  # nbval loaded, no file given
         config.option.nbval_sanitize_with = str(ROOT / "tests" / "nbval_sanitize.cfg")
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # not xdist's controller
+        _start_autograd_before_any_fake_cuda()
 
 
 RICH_TWINS = ("text/markdown",)  # shown in Jupyter; their text/plain twin is what nbval compares
